@@ -1,0 +1,222 @@
+"""llama.cpp adapter over llama-cpp-python's low-level API.
+
+One model, one context, one sequence. Logits are requested only for the rows that will be
+verified and read with llama_get_logits_ith: never `logits_all`, never the n_ctx x n_vocab
+`Llama.scores` buffer.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import BackendError, ModelFileError
+
+_log_callback = None  # keep the ctypes callback alive for the life of the process
+_backend_ready = False
+
+
+def _llama():
+    import llama_cpp
+    return llama_cpp
+
+
+def set_verbose(verbose: bool) -> None:
+    """Route llama.cpp's logging to stderr when verbose, nowhere otherwise."""
+    global _log_callback, _backend_ready
+    L = _llama()
+
+    @L.llama_log_callback
+    def _cb(level, text, user_data):
+        if verbose:
+            os.write(2, text)
+
+    _log_callback = _cb
+    L.llama_log_set(_log_callback, ctypes.c_void_p(0))
+    if not _backend_ready:
+        L.llama_backend_init()
+        _backend_ready = True
+
+
+def default_threads() -> int:
+    try:
+        import psutil
+        n = psutil.cpu_count(logical=False)
+    except Exception:
+        n = None
+    return max(1, n or os.cpu_count() or 1)
+
+
+def gpu_offload_supported() -> bool:
+    return bool(_llama().llama_supports_gpu_offload())
+
+
+class LlamaBackend:
+    """A loaded GGUF model with its own context, KV cache and batch."""
+
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_gpu_layers: int = -1,
+                 threads: int | None = None, n_batch: int = 512, flash_attn: bool = False, verbose: bool = False):
+        L = _llama()
+        set_verbose(verbose)
+        self.path = Path(path)
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
+        self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelFileError(f"llama.cpp could not load {self.path}: the file is damaged or "
+                                 "of an unsupported architecture (run with --verbose for details)")
+        threads = threads or default_threads()
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = min(n_batch, n_ctx)
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        if hasattr(cparams, "flash_attn_type"):
+            # off, as llama-cpp-python's Llama has it: the same numerics as its plain decoding
+            cparams.flash_attn_type = 1 if flash_attn else 0
+        self._ctx = L.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            L.llama_model_free(self._model)
+            self._model = None
+            raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens for "
+                               f"{self.path.name}: lower --ctx or free memory")
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx = int(L.llama_n_ctx(self._ctx))
+        self.n_batch = min(n_batch, self.n_ctx)
+        self.threads = threads
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self._mem = L.llama_get_memory(self._ctx)
+        recurrent = L.llama_model_is_recurrent(self._model)
+        hybrid = getattr(L, "llama_model_is_hybrid", lambda m: False)(self._model)
+        # Recurrent/hybrid state cannot be cut back to an earlier position.
+        self.can_truncate = not (recurrent or hybrid)
+        self.tokens: list[int] = []  # the KV cache holds these, at positions 0..n_past-1
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # -- tokens ---------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        L = _llama()
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (L.llama_token * n_max)()
+        n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, special)
+        if n < 0:
+            n_max = -n
+            buf = (L.llama_token * n_max)()
+            n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, special)
+        return list(buf[:n])
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        L = _llama()
+        n = L.llama_token_to_piece(self._vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
+        if n < 0:
+            self._piece_buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self._vocab, token, self._piece_buf, -n, 0, special)
+        return self._piece_buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(_llama().llama_vocab_is_eog(self._vocab, token))
+
+    def token_text(self, token: int) -> str:
+        return _llama().llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
+
+    def chat_template(self) -> str | None:
+        ptr = _llama().llama_model_chat_template(self._model, None)
+        return ptr.decode("utf-8") if ptr else None
+
+    @property
+    def bos(self) -> int:
+        return int(_llama().llama_vocab_bos(self._vocab))
+
+    @property
+    def eos(self) -> int:
+        return int(_llama().llama_vocab_eos(self._vocab))
+
+    # -- evaluation -----------------------------------------------------------------------
+    def eval(self, tokens: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+        """Append `tokens` at positions n_past.. and return float32 logits for `rows`
+        (indices into `tokens`), shape (len(rows), n_vocab)."""
+        L = _llama()
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise BackendError(f"context of {self.n_ctx} tokens is full: raise --ctx or lower --max-tokens")
+        wanted = set(rows)
+        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        where = {r: i for i, r in enumerate(rows)}
+        batch = self._batch
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = list(tokens[start:start + self.n_batch])
+            for j, tok in enumerate(chunk):
+                batch.token[j] = tok
+                batch.pos[j] = self.n_past + j
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = 0
+                batch.logits[j] = (start + j) in wanted
+            batch.n_tokens = len(chunk)
+            rc = L.llama_decode(self._ctx, batch)
+            if rc != 0:
+                # a failed decode may leave part of the batch in the cache: drop it
+                L.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+                raise BackendError(f"llama_decode failed with code {rc} on {self.path.name}")
+            self.tokens.extend(chunk)
+            for j in range(len(chunk)):
+                if (start + j) in wanted:
+                    ptr = L.llama_get_logits_ith(self._ctx, j)
+                    out[where[start + j]] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        return out
+
+    def truncate(self, pos: int) -> bool:
+        """Drop positions >= pos from the KV cache. False when the model cannot do that."""
+        if pos >= self.n_past:
+            return True
+        if not _llama().llama_memory_seq_rm(self._mem, 0, pos, -1):
+            return False
+        del self.tokens[pos:]
+        return True
+
+    def keep_prefix(self, tokens: Sequence[int]) -> int:
+        """Reuse the cached prefix shared with `tokens` (all but its last token, which the
+        caller feeds to get logits); drop the rest. Returns how many positions were kept."""
+        n = 0
+        for a, b in zip(self.tokens, tokens[:-1]):
+            if a != b:
+                break
+            n += 1
+        if not self.truncate(n):
+            self.reset()
+            return 0
+        return n
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def pos_max(self) -> int:
+        """The highest position llama.cpp holds for the sequence (-1 when empty)."""
+        return int(_llama().llama_memory_seq_pos_max(self._mem, 0))
+
+    def reset(self) -> None:
+        _llama().llama_memory_clear(self._mem, True)
+        self.tokens.clear()
+
+    def close(self) -> None:
+        L = _llama()
+        if getattr(self, "_batch", None) is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

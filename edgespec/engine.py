@@ -1,0 +1,283 @@
+"""The speculative loop: draft, verify in one target pass, commit, cut both KV caches."""
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .errors import BackendError, UsageError
+from .sampling import SamplingParams, verify, warp
+
+DRAFTER_MODES = ("auto", "model", "none")
+DEFAULT_GAMMA = 4
+
+
+@dataclass
+class GenerationStats:
+    drafter: str
+    prompt_tokens: int = 0
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    target_forwards: int = 0
+    accept_histogram: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafts
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode phase only: generated tokens over the time after the prompt was processed."""
+        return self.generated / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = round(self.acceptance_rate, 4)
+        d["tokens_per_second"] = round(self.tokens_per_second, 2)
+        return d
+
+    def summary(self) -> str:
+        s = (f"{self.generated} tokens, {self.tokens_per_second:.1f} tok/s, "
+             f"prompt {self.prompt_tokens} tok in {self.prompt_seconds:.2f}s, "
+             f"{self.target_forwards} target passes, drafter {self.drafter}")
+        if self.drafted:
+            s += f", accepted {self.accepted}/{self.drafted} ({100 * self.acceptance_rate:.0f}%)"
+        return s
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    text: str          # text that became printable with this token (may be empty)
+    token: int
+    from_draft: bool   # the token was a draft the target accepted
+
+
+def _pad(rows: np.ndarray, width: int) -> np.ndarray:
+    if rows.shape[1] == width:
+        return rows
+    out = np.full((rows.shape[0], width), -np.inf, dtype=np.float32)
+    out[:, : rows.shape[1]] = rows[:, :width]
+    return out
+
+
+class Engine:
+    """A target model and an optional drafter. Use `Engine.load` to build one from GGUF files."""
+
+    def __init__(self, target, drafter=None, *, gamma: int = DEFAULT_GAMMA, n_vocab: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.gamma = gamma
+        self.n_vocab = n_vocab or target.n_vocab
+        self.last_stats: GenerationStats | None = None
+        self._chat_prompt: str | None = None  # the rendered chat prompt being tokenized, if any
+        if drafter is not None and not target.can_truncate:
+            raise UsageError(f"{target.path.name} is a recurrent or hybrid model whose cache cannot be "
+                             "cut back after a rejected draft: use --drafter none")
+
+    @classmethod
+    def load(cls, target: str, draft: str | None = None, drafter: str = "auto", *,
+             n_gpu_layers: int = -1, draft_n_gpu_layers: int = -1, n_ctx: int = 4096,
+             threads: int | None = None, gamma: int = DEFAULT_GAMMA, verbose: bool = False,
+             models_file: str | None = None) -> "Engine":
+        """Load a target (GGUF path or models.toml pair name) and, if wanted, its draft model."""
+        from .backend import LlamaBackend
+        from .drafters.model import ModelDrafter
+        from .ggufinfo import check_pair, read_info
+        from .hub import resolve
+
+        if drafter not in DRAFTER_MODES:
+            raise UsageError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTER_MODES)}")
+        if not (isinstance(n_ctx, int) and n_ctx >= 16):
+            raise UsageError(f"n_ctx must be an integer >= 16, got {n_ctx!r}")
+        if not (isinstance(gamma, int) and 1 <= gamma <= 32):
+            raise UsageError(f"gamma (draft length) must be an integer in 1..32, got {gamma!r}")
+        target_path, pair_draft = resolve(target, models_file=models_file)
+        draft_path = draft or (pair_draft if drafter in ("auto", "model") else None)
+        if drafter == "model" and not draft_path:
+            raise UsageError(f"--drafter model needs a draft: pass --draft PATH or a pair that has one")
+        if drafter == "none":
+            draft_path = None
+        read_info(target_path)
+        if draft_path:
+            check_pair(target_path, draft_path)  # before any weights are loaded
+        tb = LlamaBackend(target_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, threads=threads,
+                          verbose=verbose)
+        model_drafter = None
+        try:
+            if draft_path:
+                if not tb.can_truncate:
+                    raise UsageError(f"{Path(target_path).name} is a recurrent or hybrid model whose "
+                                     "cache cannot be cut back after a rejection: use --drafter none")
+                db = LlamaBackend(draft_path, n_ctx=n_ctx, n_gpu_layers=draft_n_gpu_layers,
+                                  threads=threads, verbose=verbose)
+                model_drafter = ModelDrafter(db, max(tb.n_vocab, db.n_vocab))
+            return cls(tb, model_drafter, gamma=gamma,
+                       n_vocab=model_drafter.n_vocab if model_drafter else tb.n_vocab)
+        except BaseException:
+            tb.close()
+            raise
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.drafter is not None:
+            self.drafter.close()
+        self.target.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- generation -----------------------------------------------------------------------
+    def generate(self, prompt: str, **kwargs) -> GenerationResult:
+        """Generate from a verbatim prompt; keyword arguments as `stream`."""
+        return self._collect(self.stream(prompt, **kwargs))
+
+    def _collect(self, events) -> GenerationResult:
+        tokens, parts = [], []
+        for ev in events:
+            tokens.append(ev.token)
+            parts.append(ev.text)
+        return GenerationResult(text="".join(parts), tokens=tokens, stats=self.last_stats)
+
+    def stream(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+               stop: Sequence[str] = ()) -> Iterator[StreamEvent]:
+        """Yield tokens as they are committed, with the text each makes printable.
+
+        The prompt is tokenized verbatim (BOS added, special tokens parsed). Generation ends
+        at an end-of-generation token, after `max_tokens`, or at a stop string (not included).
+        Statistics of the finished request are in `engine.last_stats`.
+        """
+        params = SamplingParams(temperature, top_k, top_p, min_p)
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise UsageError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        stop = tuple(s for s in stop if s)
+        prompt_tokens = self.target.tokenize(prompt, add_bos=True, special=True)
+        if prompt is self._chat_prompt and len(prompt_tokens) > 1 and prompt_tokens[0] == prompt_tokens[1] == self.target.bos:
+            prompt_tokens = prompt_tokens[1:]  # the template wrote BOS and the tokenizer added one
+        return self._stream_tokens(prompt_tokens, max_tokens, params, seed, stop)
+
+    def format_chat(self, messages) -> str:
+        """The target's chat template applied to `messages` (list of {'role', 'content'})."""
+        from .chat import render
+        t = self.target
+        return render(t.chat_template(), messages, bos_token=t.token_text(t.bos) if t.bos >= 0 else "",
+                      eos_token=t.token_text(t.eos) if t.eos >= 0 else "")
+
+    def stream_chat(self, messages, **kwargs) -> Iterator[StreamEvent]:
+        """`stream` for a conversation, through the target's chat template."""
+        self._chat_prompt = prompt = self.format_chat(messages)
+        try:
+            return self.stream(prompt, **kwargs)
+        finally:
+            self._chat_prompt = None
+
+    def chat(self, messages, **kwargs) -> GenerationResult:
+        """`generate` for a conversation, through the target's chat template."""
+        return self._collect(self.stream_chat(messages, **kwargs))
+
+    def _stream_tokens(self, prompt_tokens, max_tokens, params, seed, stop):
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        hold = max((len(s) for s in stop), default=1) - 1  # chars that may start a stop string
+        text = ""        # decoded, not yet emitted
+        prev = None      # one event of lookahead, so the final flush has a token to ride on
+        gen = self.generate_tokens(prompt_tokens, max_tokens, params, seed)
+        try:
+            for token, from_draft in gen:
+                text += decoder.decode(self.target.token_to_piece(token))
+                hit = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    if prev:
+                        yield prev
+                    yield StreamEvent(text[:hit], token, from_draft)
+                    self.last_stats.finish_reason = "stop"
+                    return
+                cut = max(0, len(text) - hold)
+                if prev:
+                    yield prev
+                prev, text = StreamEvent(text[:cut], token, from_draft), text[cut:]
+            if prev:
+                yield StreamEvent(prev.text + text + decoder.decode(b"", final=True), prev.token,
+                                  prev.from_draft)
+        finally:
+            gen.close()
+
+    def generate_tokens(self, prompt_tokens: list[int], max_tokens: int, params: SamplingParams,
+                        seed: int | None = None) -> Iterator[tuple[int, bool]]:
+        """The speculative loop over token ids: yields (token, from_draft) as they are committed."""
+        target, drafter = self.target, self.drafter
+        n_ctx = target.n_ctx
+        if not prompt_tokens:
+            raise UsageError("the prompt is empty after tokenization")
+        if len(prompt_tokens) >= n_ctx:
+            raise UsageError(f"the prompt is {len(prompt_tokens)} tokens but the context holds {n_ctx}: "
+                             "raise --ctx or shorten the prompt")
+        rng = np.random.default_rng(seed)
+        stats = GenerationStats(drafter=drafter.name if drafter else "none",
+                                prompt_tokens=len(prompt_tokens), accept_histogram=[0] * (self.gamma + 1))
+        self.last_stats = stats
+        tokens = list(prompt_tokens)
+
+        # Prefill: everything but the last prompt token, which the first round feeds.
+        t0 = time.perf_counter()
+        kept = target.keep_prefix(tokens)
+        if kept < len(tokens) - 1:
+            target.eval(tokens[kept:-1], [])
+        if drafter is not None:
+            drafter.begin(tokens)
+        t1 = time.perf_counter()
+        stats.prompt_seconds = t1 - t0
+        try:
+            while stats.generated < max_tokens and len(tokens) < n_ctx:
+                room = n_ctx - len(tokens)
+                gamma = min(self.gamma, max_tokens - stats.generated - 1, room - 1) if drafter else 0
+                drafts, q = drafter.propose(tokens, gamma, params, rng) if gamma > 0 else ([], None)
+                pending = tokens[target.n_past:]
+                feed = pending + drafts
+                logits = target.eval(feed, list(range(len(pending) - 1, len(feed))))
+                stats.target_forwards += 1
+                p = warp(_pad(logits, self.n_vocab), params)
+                n, y = verify(drafts, p, q, rng)
+                new = drafts[:n] + [y]
+                if not target.truncate(len(tokens) + n):
+                    raise BackendError("the target's KV cache could not be cut back")
+                tokens.extend(new)
+                if drafter is not None and drafts:
+                    drafter.accept(tokens)
+                stats.rounds += 1
+                if drafts:
+                    stats.drafted += len(drafts)
+                    stats.accepted += n
+                    stats.accept_histogram[n] += 1
+                for i, tok in enumerate(new):
+                    if target.is_eog(tok):
+                        stats.finish_reason = "eos"
+                        return
+                    stats.generated += 1
+                    stats.decode_seconds = time.perf_counter() - t1
+                    yield tok, i < n
+                    if stats.generated >= max_tokens:
+                        break
+            stats.finish_reason = "length" if stats.generated >= max_tokens else "context"
+        finally:
+            stats.decode_seconds = time.perf_counter() - t1

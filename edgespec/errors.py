@@ -1,0 +1,43 @@
+"""Typed errors. The library raises these; only cli.py turns them into messages and exit codes."""
+
+
+class EdgespecError(Exception):
+    """Base class. `exit_code` 2 means bad usage or input, 1 a runtime failure."""
+
+    exit_code = 1
+
+
+class UsageError(EdgespecError, ValueError):
+    """A bad argument: out-of-range sampling parameter, unknown drafter, prompt too long."""
+
+    exit_code = 2
+
+
+class ModelFileError(EdgespecError):
+    """A GGUF file that is missing, unreadable, truncated or not a GGUF at all."""
+
+    exit_code = 2
+
+
+class IncompatiblePairError(EdgespecError):
+    """Target and draft do not share a tokenizer, so speculation between them is impossible."""
+
+    exit_code = 2
+
+
+class RegistryError(EdgespecError):
+    """Unknown pair name or malformed models.toml."""
+
+    exit_code = 2
+
+
+class DownloadError(EdgespecError):
+    """A model could not be fetched or failed its checksum."""
+
+    exit_code = 1
+
+
+class BackendError(EdgespecError):
+    """llama.cpp refused an operation (decode failure, context full)."""
+
+    exit_code = 1

@@ -1,0 +1,126 @@
+"""Sampling math, numpy only.
+
+`warp` turns float32 logits into the distribution the target would sample from, with the
+filters in llama.cpp's sampler order (top-k, top-p, min-p on the raw logits, then
+temperature). The same function is applied to target rows (p) and draft rows (q), which is
+what makes speculative output distributed exactly as the target's own sampling.
+
+`verify` is the rejection sampler of Leviathan et al. (2023) / Chen et al. (2023); variable
+names follow the papers: p is the target, q the draft, gamma the number of drafted tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        t, k, tp, mp = self.temperature, self.top_k, self.top_p, self.min_p
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+            raise UsageError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+            raise UsageError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if not (isinstance(tp, (int, float)) and 0 < tp <= 1):
+            raise UsageError(f"top_p must be in (0, 1] (1 = off), got {tp!r}")
+        if not (isinstance(mp, (int, float)) and 0 <= mp <= 1):
+            raise UsageError(f"min_p must be in [0, 1] (0 = off), got {mp!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _top_p_mask(z: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest set of highest-probability tokens whose mass reaches top_p.
+
+    Only the head of the distribution is sorted: candidates are grown by 8x until their mass
+    reaches top_p, which on a 152k vocabulary is a few hundred tokens, not a full sort.
+    """
+    probs = np.exp(z - z.max(), dtype=np.float64)
+    probs /= probs.sum()
+    n = probs.size
+    m = min(64, n)
+    while True:
+        head = np.argpartition(-probs, m - 1)[:m] if m < n else np.arange(n)
+        head = head[np.argsort(-probs[head], kind="stable")]
+        cum = np.cumsum(probs[head])
+        if cum[-1] >= top_p or m == n:
+            keep = head[: int(np.searchsorted(cum, top_p)) + 1]
+            mask = np.zeros(n, dtype=bool)
+            mask[keep] = True
+            return mask
+        m = min(m * 8, n)
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """float32 logits, shape (V,) or (rows, V) -> float32 probabilities of the same shape."""
+    logits = np.asarray(logits, dtype=np.float32)
+    if logits.ndim == 2:
+        return np.stack([warp(row, params) for row in logits]) if len(logits) else logits.copy()
+    if params.greedy:
+        out = np.zeros_like(logits)
+        out[int(np.argmax(logits))] = 1.0
+        return out
+    z = logits.copy()
+    if 0 < params.top_k < z.size:
+        kth = np.partition(z, z.size - params.top_k)[z.size - params.top_k]
+        z[z < kth] = -np.inf
+    if params.top_p < 1.0:
+        z[~_top_p_mask(z, params.top_p)] = -np.inf
+    if params.min_p > 0.0:
+        # p(x) >= min_p * p_max  <=>  logit(x) >= max_logit + log(min_p)
+        z[z < z.max() + np.float32(math.log(params.min_p))] = -np.inf
+    z = (z - z.max()) / np.float32(params.temperature)
+    probs = np.exp(z)
+    probs /= probs.sum()
+    return probs.astype(np.float32, copy=False)
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a (possibly unnormalised) non-negative vector; zero entries never come out."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    total = cdf[-1]
+    if not total > 0:
+        raise ValueError("cannot sample from an all-zero distribution")
+    return int(np.searchsorted(cdf, rng.random() * total, side="right"))
+
+
+def verify(draft: list[int], p: np.ndarray, q: np.ndarray | None,
+           rng: np.random.Generator) -> tuple[int, int]:
+    """Speculative rejection sampling.
+
+    draft: gamma drafted tokens x_1..x_gamma.
+    p: (gamma + 1, V) target probabilities; row i is the target's distribution for x_{i+1},
+       row gamma the one for the bonus token.
+    q: (gamma, V) draft probabilities the drafts were sampled from, or None when the drafts
+       are point masses (n-gram lookup): then sampling from p and accepting while equal is exact.
+    Returns (n accepted, the next token): the corrected token on the first rejection,
+    otherwise the bonus token sampled from p[gamma].
+    """
+    for i, x in enumerate(draft):
+        if q is None:
+            y = sample(p[i], rng)
+            if y != x:
+                return i, y
+            continue
+        # accept with probability min(1, p/q), written without dividing by a tiny q
+        if rng.random() * q[i, x] < p[i, x]:
+            continue
+        residual = np.maximum(p[i] - q[i], 0.0)
+        if not residual.sum() > 0:
+            # p <= q everywhere means p == q as distributions (up to rounding): rejection had
+            # probability ~0; fall back to p itself, which is then the same distribution.
+            residual = p[i]
+        return i, sample(residual, rng)
+    return len(draft), sample(p[len(draft)], rng)

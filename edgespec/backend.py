@@ -86,8 +86,9 @@ class LlamaBackend:
                                f"{self.path.name}: lower --ctx or free memory")
         self._vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
-        self.n_ctx = int(L.llama_n_ctx(self._ctx))
-        self.n_batch = min(n_batch, self.n_ctx)
+        # llama.cpp may round the context up (to 256 at least); the caller's limit still holds
+        self.n_ctx = min(n_ctx, int(L.llama_n_ctx(self._ctx)))
+        self.n_batch = int(L.llama_n_batch(self._ctx))
         self.threads = threads
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._mem = L.llama_get_memory(self._ctx)

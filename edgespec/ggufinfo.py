@@ -2,7 +2,6 @@
 tokenizer facts for the pair check, sizes for memory planning."""
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -57,6 +56,10 @@ def _stat(path: Path) -> os.stat_result:
     return st
 
 
+class _Short(Exception):
+    """The header continues past the bytes read so far."""
+
+
 class _Header:
     """A fast GGUF header parser. gguf.GGUFReader builds a numpy view per array item and takes
     7 s on a 152k-token vocabulary; this reads the same header in a fraction of that. Type
@@ -65,7 +68,7 @@ class _Header:
     _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                 10: "<Q", 11: "<q", 12: "<d"}
 
-    def __init__(self, data: bytes | memoryview):
+    def __init__(self, data: bytes):
         self.buf = data
         self.off = 0
 
@@ -77,8 +80,8 @@ class _Header:
     def _string(self, keep: bool = True):
         n = self._unpack("<Q")
         if self.off + n > len(self.buf):
-            raise ValueError("string runs past the end of the file")
-        s = bytes(self.buf[self.off:self.off + n]).decode("utf-8", "replace") if keep else None
+            raise _Short("string runs past the end of what was read")
+        s = self.buf[self.off:self.off + n].decode("utf-8", "replace") if keep else None
         self.off += n
         return s
 
@@ -92,13 +95,15 @@ class _Header:
                 return vals if keep else None
             fmt = self._SCALARS[itype]
             size = struct.calcsize(fmt)
+            if self.off + size * count > len(self.buf):
+                raise _Short("array runs past the end of what was read")
             vals = list(struct.iter_unpack(fmt, self.buf[self.off:self.off + size * count])) if keep else None
             self.off += size * count
             return [v[0] for v in vals] if keep else None
         return self._unpack(self._SCALARS[vtype])
 
     def parse(self, wanted_arrays: tuple[str, ...]):
-        if bytes(self.buf[:4]) != GGUF_MAGIC:
+        if self.buf[:4] != GGUF_MAGIC:
             raise ValueError("bad magic")
         self.off = 4
         version, n_tensors, n_kv = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
@@ -133,14 +138,27 @@ def _tensor_bytes(dims, ttype) -> int:
 
 @lru_cache(maxsize=16)
 def _read_info_cached(path: str, size: int, mtime_ns: int) -> GGUFInfo:
+    window = min(size, 16 << 20)  # GGUF headers are a few MB; read more only if needed
+    while True:
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(window)
+            fields, tensors, data_start = _Header(head).parse(("tokenizer.ggml.tokens",))
+            break
+        except (struct.error, _Short) as exc:
+            if window >= size:
+                raise ModelFileError(f"{path} is not a readable GGUF file ({exc}); it may be truncated "
+                                     "or damaged: download it again") from None
+            window = min(size, window * 4)
+        except (ValueError, KeyError, OverflowError) as exc:
+            raise ModelFileError(f"{path} is not a readable GGUF file ({exc}); it may be truncated or "
+                                 "damaged: download it again") from None
     try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            fields, tensors, data_start = _Header(memoryview(mm)).parse(("tokenizer.ggml.tokens",))
-            end = max((data_start + off + _tensor_bytes(dims, tt) for _, dims, tt, off in tensors), default=0)
-            tensor_bytes = sum(_tensor_bytes(dims, tt) for _, dims, tt, _ in tensors)
-    except (ValueError, KeyError, struct.error, OverflowError) as exc:
-        raise ModelFileError(f"{path} is not a readable GGUF file ({exc}); it may be truncated or "
-                             "damaged: download it again") from None
+        end = max((data_start + off + _tensor_bytes(dims, tt) for _, dims, tt, off in tensors), default=0)
+        tensor_bytes = sum(_tensor_bytes(dims, tt) for _, dims, tt, _ in tensors)
+    except (ValueError, KeyError) as exc:
+        raise ModelFileError(f"{path} has a tensor of unknown type ({exc}): update edgespec or "
+                             "llama-cpp-python, or pick another quantization") from None
     if end > size:
         raise ModelFileError(f"{path} is truncated: its tensors need {end} bytes but the file has "
                              f"{size}; download it again")

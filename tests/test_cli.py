@@ -1,0 +1,125 @@
+"""The CLI in-process: exit codes and one-line errors; one real subprocess run for log silence."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgespec.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(args, capsys):
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_usage_error(code, err, *fragments):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in err, err
+
+
+@pytest.fixture()
+def bad_files(tmp_path, smol):
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    noise = tmp_path / "noise.gguf"
+    noise.write_bytes(os.urandom(4096))
+    text = tmp_path / "notes.txt"
+    text.write_text("just some text, not a model\n")
+    trunc = tmp_path / "truncated.gguf"
+    data = smol.read_bytes()
+    trunc.write_bytes(data[: len(data) // 2])
+    header_only = tmp_path / "header-cut.gguf"
+    header_only.write_bytes(data[:5000])
+    return dict(empty=empty, noise=noise, text=text, trunc=trunc, header_only=header_only,
+                missing=tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("which, fragment", [
+    ("missing", "does not exist"),
+    ("empty", "is empty"),
+    ("noise", "not a GGUF model file"),
+    ("text", "not a GGUF model file"),
+    ("trunc", "truncated"),
+    ("header_only", "truncated or damaged"),
+])
+def test_bad_model_files(bad_files, capsys, which, fragment):
+    code, out, err = run_cli(["run", "--target", str(bad_files[which]), "--prompt", "hi"], capsys)
+    assert_usage_error(code, err, fragment, str(bad_files[which].name))
+
+
+def test_bad_draft_file_is_refused_too(bad_files, smol, capsys):
+    code, _, err = run_cli(["run", "--target", str(smol), "--draft", str(bad_files["noise"]),
+                            "--prompt", "hi"], capsys)
+    assert_usage_error(code, err, "not a GGUF model file")
+
+
+def test_draft_with_another_vocabulary_is_refused(smol, gemma, capsys):
+    code, _, err = run_cli(["run", "--target", str(smol), "--draft", str(gemma), "--prompt", "hi"], capsys)
+    assert_usage_error(code, err, smol.name, gemma.name)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--temperature", "-1"], "temperature must be"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-k", "-3"], "top_k must be"),
+    (["--min-p", "2"], "min_p must be"),
+    (["--drafter", "telepathy"], "unknown drafter 'telepathy'"),
+    (["--max-tokens", "0"], "--max-tokens must be"),
+    (["--temperature", "warm"], "invalid float value"),
+])
+def test_bad_sampling_flags(smol, capsys, flags, fragment):
+    code, _, err = run_cli(["run", "--target", str(smol), "--prompt", "hi", *flags], capsys)
+    assert_usage_error(code, err, fragment)
+
+
+def test_prompt_longer_than_context(smol, capsys):
+    code, _, err = run_cli(["run", "--target", str(smol), "--ctx", "64", "--raw",
+                            "--prompt", "word " * 200], capsys)
+    assert_usage_error(code, err, "context holds 64", "--ctx")
+
+
+def test_empty_prompt_and_unreadable_prompt_file(smol, tmp_path, capsys):
+    code, _, err = run_cli(["run", "--target", str(smol), "--prompt", "  "], capsys)
+    assert_usage_error(code, err, "prompt is empty")
+    code, _, err = run_cli(["run", "--target", str(smol), "--file", str(tmp_path / "nope.txt")], capsys)
+    assert_usage_error(code, err, "cannot read prompt file")
+
+
+def test_json_output(smol, smol_draft, capsys):
+    code, out, err = run_cli(["run", "--target", str(smol), "--draft", str(smol_draft), "--prompt",
+                              "Name three colours.", "--max-tokens", "12", "--json"], capsys)
+    assert code == 0, err
+    obj = json.loads(out)
+    assert set(obj) == {"text", "tokens", "stats"}
+    assert len(obj["tokens"]) == obj["stats"]["generated"] <= 12
+    assert obj["stats"]["drafter"] == "model"
+
+
+def test_run_streams_text_and_prints_one_stats_line_without_llama_logs(smol):
+    proc = subprocess.run([sys.executable, "-m", "edgespec", "run", "--target", str(smol), "--prompt",
+                           "Say hello.", "--max-tokens", "8", "--seed", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tok/s" in lines[0], proc.stderr
+
+
+def test_help_explains_the_flags(capsys):
+    code, out, _ = run_cli(["run", "--help"], capsys)
+    assert code == 0
+    for flag in ("--draft", "--drafter", "--temperature", "--top-p", "--min-p", "--raw", "--json", "--ctx"):
+        assert flag in out

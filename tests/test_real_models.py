@@ -1,0 +1,151 @@
+"""Real GGUF models through real llama.cpp: SmolLM2-135M (+ a truncated copy as draft) and,
+marked `qwen`, the Qwen2.5-Coder 1.5B/0.5B pair."""
+import json
+
+import numpy as np
+import psutil
+import pytest
+from scipy import stats as sps
+
+from edgespec import Engine
+from edgespec.sampling import SamplingParams, warp
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences what a mutex is.",
+]
+
+
+def llama_cpp_greedy(path, prompt_tokens, n, n_ctx=1024):
+    """Plain greedy decoding by llama-cpp-python's own high-level Llama: the reference."""
+    import llama_cpp
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, verbose=False, n_threads=2)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    out = []
+    for tok in llm.generate(prompt_tokens, top_k=1, temp=0.0, repeat_penalty=1.0):
+        if llama_cpp.llama_vocab_is_eog(vocab, tok):
+            break
+        out.append(tok)
+        if len(out) >= n:
+            break
+    llm.close()
+    return out
+
+
+def test_plain_decoding_equals_llama_cpp_python_greedy(smol):
+    with Engine.load(str(smol), drafter="none", n_ctx=1024) as eng:
+        for prompt in PROMPTS:
+            ptoks = eng.target.tokenize(eng.format_chat([{"role": "user", "content": prompt}]))
+            ours = [t for t, _ in eng.generate_tokens(ptoks, 48, SamplingParams(0.0))]
+            assert ours == llama_cpp_greedy(smol, ptoks, 48)
+
+
+@pytest.mark.qwen
+def test_speculative_greedy_equals_plain_llama_cpp_on_the_qwen_pair(qwen_pair):
+    target, draft = qwen_pair
+    with Engine.load(str(target), draft=str(draft), drafter="model", n_ctx=1024, gamma=4) as eng:
+        for prompt in PROMPTS:
+            ptoks = eng.target.tokenize(eng.format_chat([{"role": "user", "content": prompt}]))
+            spec = [t for t, _ in eng.generate_tokens(ptoks, 32, SamplingParams(0.0))]
+            assert eng.last_stats.accepted > 0
+            assert spec == llama_cpp_greedy(target, ptoks, 32)
+
+
+def test_kv_caches_hold_exactly_the_committed_tokens_on_llama_cpp(smol, smol_draft):
+    with Engine.load(str(smol), draft=str(smol_draft), n_ctx=512, gamma=3) as eng:
+        target, drafter = eng.target, eng.drafter
+        checks = []
+        accept = drafter.accept
+
+        def checked_accept(tokens):
+            accept(tokens)
+            # the target holds every committed token but the newest (fed next round)
+            checks.append((target.pos_max(), len(tokens) - 2, target.tokens == tokens[:-1],
+                           drafter.backend.pos_max(), drafter.backend.n_past - 1,
+                           drafter.backend.tokens == tokens[:drafter.backend.n_past]))
+        drafter.accept = checked_accept
+        rss = []
+        proc = psutil.Process()
+        rounds = 0
+        while rounds < 1000:
+            list(eng.generate_tokens(target.tokenize("Once upon a time"), 200,
+                                     SamplingParams(1.0), seed=rounds))
+            rounds += eng.last_stats.rounds
+            rss.append(proc.memory_info().rss)
+        assert len(checks) >= 1000
+        for t_max, want, t_same, d_max, d_want, d_same in checks:
+            assert t_max == want and t_same
+            assert d_max == d_want and d_same and d_max <= want
+        # 1,000+ rounds in a 512-token context: memory does not grow with rejected drafts
+        assert rss[-1] - rss[0] < 16 * 2**20, [r / 2**20 for r in rss]
+
+
+def _exact_first_two(eng, ptoks, params):
+    """Exact marginals of the first two tokens, from the target's own logits."""
+    t = eng.target
+    t.reset()
+    p1 = warp(t.eval(ptoks, [len(ptoks) - 1])[0], params).astype(np.float64)
+    p2 = np.zeros_like(p1)
+    for x in np.flatnonzero(p1):
+        t.reset()
+        p2 += p1[x] * warp(t.eval(ptoks + [int(x)], [len(ptoks)])[0], params)
+    t.reset()
+    return p1, p2
+
+
+def _chi2_pvalue(counts, probs, min_expected=5.0):
+    """Pearson chi-square; categories expected fewer than 5 times are pooled."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= min_expected
+    obs_c = list(counts[big]) + [counts[~big].sum()]
+    exp_c = list(exp[big]) + [exp[~big].sum()]
+    if exp_c[-1] < min_expected:  # pool the remainder into the smallest kept category
+        obs_c[-2] += obs_c.pop()
+        exp_c[-2] += exp_c.pop()
+    # a token drawn where the exact law has no mass is an outright failure
+    assert counts[probs == 0].sum() == 0
+    return sps.chisquare(obs_c, exp_c).pvalue
+
+
+def test_t1_first_two_tokens_follow_the_target_law_on_real_models(smol, smol_draft):
+    """3,000 draws of the first two tokens with a genuinely different draft (acceptance ~0.3);
+    the chi-square p-value of each marginal must exceed 1e-4 (a correct sampler fails one of
+    the two with probability 2e-4)."""
+    params = SamplingParams(temperature=1.0, top_k=12, top_p=0.97, min_p=0.01)
+    n = 3000
+    with Engine.load(str(smol), draft=str(smol_draft), n_ctx=256, gamma=2) as eng:
+        ptoks = eng.target.tokenize("The best thing about living near the sea is")
+        p1, p2 = _exact_first_two(eng, ptoks, params)
+        rng = np.random.default_rng(12345)
+        c1 = np.zeros_like(p1)
+        c2 = np.zeros_like(p2)
+        drafted = accepted = 0
+        for _ in range(n):
+            out = [t for t, _ in eng.generate_tokens(ptoks, 2, params, rng)]
+            c1[out[0]] += 1
+            c2[out[1]] += 1
+            drafted += eng.last_stats.drafted
+            accepted += eng.last_stats.accepted
+    assert 0.05 < accepted / drafted < 0.95  # both acceptance and rejection were exercised
+    assert _chi2_pvalue(c1, p1) > 1e-4
+    assert _chi2_pvalue(c2, p2) > 1e-4
+
+
+def test_stream_text_equals_generate_text_and_marks_draft_tokens(smol, smol_draft):
+    with Engine.load(str(smol), draft=str(smol_draft), n_ctx=512, gamma=3) as eng:
+        r = eng.generate("Paris is the capital of", max_tokens=40)
+        events = list(eng.stream("Paris is the capital of", max_tokens=40))
+    assert "".join(e.text for e in events) == r.text
+    assert [e.token for e in events] == r.tokens
+    assert sum(e.from_draft for e in events) == r.stats.accepted
+    s = r.stats.as_dict()
+    for key in ("drafted", "accepted", "acceptance_rate", "target_forwards", "generated",
+                "tokens_per_second", "drafter", "accept_histogram"):
+        assert key in s
+    assert s["generated"] == len(r.tokens) and s["drafter"] == "model"
+    hist = s["accept_histogram"]
+    # every round drafted except perhaps the last, which has room for one token only
+    assert sum(hist) in (s["rounds"], s["rounds"] - 1)
+    assert sum(n * c for n, c in enumerate(hist)) == s["accepted"]
+    assert json.loads(json.dumps(s)) == s

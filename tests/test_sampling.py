@@ -1,0 +1,111 @@
+import numpy as np
+import pytest
+
+from edgespec.errors import UsageError
+from edgespec.sampling import SamplingParams, sample, verify, warp
+
+
+def test_greedy_is_one_hot_at_argmax():
+    logits = np.array([0.1, 3.0, 2.9, -1.0], np.float32)
+    np.testing.assert_array_equal(warp(logits, SamplingParams(0.0)), [0, 1, 0, 0])
+    np.testing.assert_array_equal(warp(logits, SamplingParams(0.7, top_k=1)), [0, 1, 0, 0])
+
+
+def test_temperature_one_is_softmax_in_float32():
+    logits = np.array([1.0, 2.0, 3.0], np.float32)
+    p = warp(logits, SamplingParams(1.0))
+    assert p.dtype == np.float32
+    np.testing.assert_allclose(p, np.exp(logits) / np.exp(logits).sum(), rtol=1e-6)
+
+
+def test_top_k_keeps_k_most_likely():
+    p = warp(np.array([5, 1, 4, 2, 3], np.float32), SamplingParams(1.0, top_k=2))
+    assert set(np.flatnonzero(p)) == {0, 2}
+    assert p.sum() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_smallest_set_reaching_the_mass():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs).astype(np.float32)
+    assert set(np.flatnonzero(warp(logits, SamplingParams(1.0, top_p=0.8)))) == {0, 1}
+    assert set(np.flatnonzero(warp(logits, SamplingParams(1.0, top_p=0.81)))) == {0, 1, 2}
+    assert set(np.flatnonzero(warp(logits, SamplingParams(1.0, top_p=0.1)))) == {0}
+
+
+def test_top_p_on_a_large_vocabulary_matches_a_full_sort():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, 152_000).astype(np.float32)
+    got = np.flatnonzero(warp(logits, SamplingParams(1.0, top_p=0.9)))
+    probs = np.exp(logits - logits.max(), dtype=np.float64)
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    n = int(np.searchsorted(np.cumsum(probs[order]), 0.9)) + 1
+    assert set(got) == set(order[:n])
+
+
+def test_min_p_drops_tokens_below_fraction_of_the_top():
+    probs = np.array([0.6, 0.3, 0.07, 0.03])
+    p = warp(np.log(probs).astype(np.float32), SamplingParams(1.0, min_p=0.1))
+    assert set(np.flatnonzero(p)) == {0, 1, 2}
+
+
+def test_filters_apply_before_temperature():
+    logits = np.log(np.array([0.5, 0.3, 0.2])).astype(np.float32)
+    # at T=1 top-p 0.75 keeps {0, 1}; a high temperature must not widen that set
+    p = warp(logits, SamplingParams(5.0, top_p=0.75))
+    assert set(np.flatnonzero(p)) == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(temperature=-0.1), "temperature must be"),
+    (dict(temperature=float("nan")), "temperature must be"),
+    (dict(top_k=-1), "top_k must be"),
+    (dict(top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(min_p=-0.5), "min_p must be in [0, 1]"),
+])
+def test_bad_parameters_say_the_range_and_the_value(kwargs, fragment):
+    with pytest.raises(UsageError) as e:
+        SamplingParams(**kwargs)
+    assert fragment in str(e.value) and repr(list(kwargs.values())[0]) in str(e.value)
+
+
+def test_sample_never_returns_zero_probability_tokens():
+    rng = np.random.default_rng(1)
+    p = np.array([0, 0.5, 0, 0.5, 0], np.float32)
+    assert {sample(p, rng) for _ in range(2000)} == {1, 3}
+
+
+def test_verify_accepts_everything_when_draft_equals_target():
+    rng = np.random.default_rng(2)
+    p = np.full((4, 5), 0.2, np.float32)
+    for _ in range(200):
+        n, _ = verify([0, 1, 2], p, p[:3], rng)
+        assert n == 3
+
+
+def test_verify_rejects_a_token_the_target_cannot_emit_and_never_emits_it():
+    rng = np.random.default_rng(3)
+    p = np.array([[0.0, 0.5, 0.5], [1 / 3] * 3], np.float32)
+    q = np.array([[0.9, 0.05, 0.05]], np.float32)
+    for _ in range(200):
+        n, y = verify([0], p, q, rng)
+        assert n == 0 and y in (1, 2)
+
+
+def test_verify_with_all_zero_residual_falls_back_to_p():
+    rng = np.random.default_rng(4)
+    p = np.array([[0.0, 1.0], [0.5, 0.5]], np.float32)
+    q = np.array([[0.0, 1.0]], np.float32)
+    # force a "rejection" by a q that is larger than p at the drafted token via rounding
+    q2 = q * np.float32(1.0000001)
+    for _ in range(50):
+        n, y = verify([1], p, q2, rng)
+        assert (n, y) in ((1, 0), (1, 1)) or (n == 0 and y == 1)
+
+
+def test_point_mass_drafts_accept_while_target_samples_match():
+    rng = np.random.default_rng(5)
+    p = np.array([[0, 1, 0], [0, 0, 1], [1, 0, 0]], np.float32)
+    assert verify([1, 2], p, None, rng) == (2, 0)
+    assert verify([1, 0], p, None, rng) == (1, 2)

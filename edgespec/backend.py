@@ -145,9 +145,8 @@ class LlamaBackend:
         L = _llama()
         if self.n_past + len(tokens) > self.n_ctx:
             raise BackendError(f"context of {self.n_ctx} tokens is full: raise --ctx or lower --max-tokens")
-        wanted = set(rows)
         out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
-        where = {r: i for i, r in enumerate(rows)}
+        where = {r: i for i, r in enumerate(rows)}  # token index -> output row
         batch = self._batch
         for start in range(0, len(tokens), self.n_batch):
             chunk = list(tokens[start:start + self.n_batch])
@@ -156,7 +155,7 @@ class LlamaBackend:
                 batch.pos[j] = self.n_past + j
                 batch.n_seq_id[j] = 1
                 batch.seq_id[j][0] = 0
-                batch.logits[j] = (start + j) in wanted
+                batch.logits[j] = (start + j) in where
             batch.n_tokens = len(chunk)
             rc = L.llama_decode(self._ctx, batch)
             if rc != 0:
@@ -165,7 +164,7 @@ class LlamaBackend:
                 raise BackendError(f"llama_decode failed with code {rc} on {self.path.name}")
             self.tokens.extend(chunk)
             for j in range(len(chunk)):
-                if (start + j) in wanted:
+                if (start + j) in where:
                     ptr = L.llama_get_logits_ith(self._ctx, j)
                     out[where[start + j]] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         return out

@@ -82,6 +82,11 @@ class ArgmaxDrafts:
 
 
 def _run(engine, prompt_tokens, n, params, seed=None):
+    # from an empty cache every time: a reused prompt prefix would change the last bits of
+    # the KV values, and so, at near-ties, which token greedy decoding picks
+    engine.target.reset()
+    if getattr(engine.drafter, "backend", None) is not None:
+        engine.drafter.backend.reset()
     toks = [t for t, _ in engine.generate_tokens(prompt_tokens, n, params, seed)]
     return toks, engine.last_stats
 

@@ -238,11 +238,12 @@ class Engine:
         self.last_stats = stats
         tokens = list(prompt_tokens)
 
-        # Prefill: everything but the last prompt token, which the first round feeds.
+        # Prefill the prompt in one batch, as plain llama.cpp decoding does (a token's KV
+        # depends, in its last bits, on the batch it was computed in), keeping the last row.
         t0 = time.perf_counter()
         kept = target.keep_prefix(tokens)
-        if kept < len(tokens) - 1:
-            target.eval(tokens[kept:-1], [])
+        carry = target.eval(tokens[kept:], [len(tokens) - kept - 1])
+        stats.target_forwards += 1
         if drafter is not None:
             drafter.begin(tokens)
         t1 = time.perf_counter()
@@ -252,10 +253,15 @@ class Engine:
                 room = n_ctx - len(tokens)
                 gamma = min(self.gamma, max_tokens - stats.generated - 1, room - 1) if drafter else 0
                 drafts, q = drafter.propose(tokens, gamma, params, rng) if gamma > 0 else ([], None)
-                pending = tokens[target.n_past:]
-                feed = pending + drafts
-                logits = target.eval(feed, list(range(len(pending) - 1, len(feed))))
-                stats.target_forwards += 1
+                if carry is not None:  # first round: the last prompt row is already computed
+                    logits = np.concatenate([carry, target.eval(drafts, range(len(drafts)))]) if drafts else carry
+                    stats.target_forwards += bool(drafts)
+                    carry = None
+                else:
+                    pending = tokens[target.n_past:]
+                    feed = pending + drafts
+                    logits = target.eval(feed, range(len(pending) - 1, len(feed)))
+                    stats.target_forwards += 1
                 p = warp(_pad(logits, self.n_vocab), params)
                 n, y = verify(drafts, p, q, rng)
                 new = drafts[:n] + [y]

@@ -68,23 +68,29 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     logits = np.asarray(logits, dtype=np.float32)
     if logits.ndim == 2:
         return np.stack([warp(row, params) for row in logits]) if len(logits) else logits.copy()
+    out = np.zeros_like(logits)
     if params.greedy:
-        out = np.zeros_like(logits)
         out[int(np.argmax(logits))] = 1.0
         return out
-    z = logits.copy()
-    if 0 < params.top_k < z.size:
-        kth = np.partition(z, z.size - params.top_k)[z.size - params.top_k]
-        z[z < kth] = -np.inf
+    # Work on the candidates only: after top-k that is k tokens, not the whole vocabulary.
+    if 0 < params.top_k < logits.size:
+        cand = np.argpartition(logits, logits.size - params.top_k)[logits.size - params.top_k:]
+        z = logits[cand]
+    else:
+        cand, z = None, logits.copy()
+    keep = np.isfinite(z)
     if params.top_p < 1.0:
-        z[~_top_p_mask(z, params.top_p)] = -np.inf
+        keep &= _top_p_mask(z, params.top_p)
     if params.min_p > 0.0:
         # p(x) >= min_p * p_max  <=>  logit(x) >= max_logit + log(min_p)
-        z[z < z.max() + np.float32(math.log(params.min_p))] = -np.inf
-    z = (z - z.max()) / np.float32(params.temperature)
+        keep &= z >= z.max() + np.float32(math.log(params.min_p))
+    z = np.where(keep, (z - z.max()) / np.float32(params.temperature), -np.inf)
     probs = np.exp(z)
     probs /= probs.sum()
-    return probs.astype(np.float32, copy=False)
+    if cand is None:
+        return probs.astype(np.float32, copy=False)
+    out[cand] = probs
+    return out
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -46,10 +46,14 @@ def empirical(engine, params, n, seed=0):
     rng = np.random.default_rng(seed)
     joint = np.zeros((V, V))
     third = np.zeros(V)
+    drafted = accepted = 0
     for _ in range(n):
         out = [t for t, _ in engine.generate_tokens([0, 1], 3, params, rng)]
         joint[out[0], out[1]] += 1
         third[out[2]] += 1
+        drafted += engine.last_stats.drafted
+        accepted += engine.last_stats.accepted
+    engine.totals = (drafted, accepted)
     return joint / n, third / n
 
 
@@ -57,10 +61,10 @@ def tv(a, b):
     return 0.5 * np.abs(np.asarray(a) - np.asarray(b)).sum()
 
 
-def _tables(seed, p_zero=(), q_zero=()):
+def _tables(seed, p_zero=(), q_zero=(), noise=1.5):
     rng = np.random.default_rng(seed)
     p = rng.normal(0, 1.5, (V, V)).astype(np.float32)
-    q = (p + rng.normal(0, 1.5, (V, V))).astype(np.float32)  # related but different
+    q = (p + rng.normal(0, noise, (V, V))).astype(np.float32)  # related but different
     for j in p_zero:
         p[:, j] = NEG       # the target never emits j
     for j in q_zero:
@@ -92,9 +96,9 @@ def test_speculative_output_has_the_target_law(name):
     want_joint, want_third = exact_laws(p, params, first=1)
     assert tv(joint, want_joint) < tv_threshold(V * V), (tv(joint, want_joint), name)
     assert tv(third, want_third) < tv_threshold(V), (tv(third, want_third), name)
-    # the draft really was used, and rejections really happened
-    s = eng.last_stats
-    assert s.drafted > 0 and 0 < s.accepted <= s.drafted
+    # the draft really was used, and both acceptance and rejection happened often
+    drafted, accepted = eng.totals
+    assert 0.05 < accepted / drafted < 0.95, (drafted, accepted)
 
 
 def wrong_verify_no_residual(draft, p, q, rng):
@@ -118,47 +122,49 @@ def wrong_verify_accept_argmax(draft, p, q, rng):
 
 @pytest.mark.parametrize("wrong", [wrong_verify_no_residual, wrong_verify_accept_argmax])
 def test_the_statistical_test_catches_a_wrong_verifier(monkeypatch, wrong):
-    gamma, params, p_zero, q_zero = CASES["plain-T1-gamma1"]
-    name = "plain-T1-gamma1"
+    name = "q-mass-where-p-none-gamma3"
+    gamma, params, p_zero, q_zero = CASES[name]
     p, q = _tables(zlib.crc32(name.encode()) % 1000, p_zero, q_zero)
     monkeypatch.setattr(engine_mod, "verify", wrong)
     joint, _ = empirical(make_engine(p, q, gamma), params, N // 5)
     want_joint, _ = exact_laws(p, params, first=1)
-    # even with a fifth of the draws the wrong sampler is far outside the threshold
-    assert tv(joint, want_joint) > 3 * tv_threshold(V * V, N // 5)
+    # even with a fifth of the draws the wrong sampler lands far outside the threshold
+    # (measured: TV 0.126 and 0.156 against a threshold of 0.031)
+    assert tv(joint, want_joint) > 2 * tv_threshold(V * V, N // 5)
 
 
-def test_kv_caches_hold_exactly_the_committed_tokens_every_round():
-    p, q = _tables(7)
-    target, draft = FakeBackend(p), FakeBackend(q, name="draft")
-    eng = Engine(target, ModelDrafter(draft, V), gamma=5)
-    prompt = [0, 3, 2]
-    committed = list(prompt)
-    for tok, _ in eng.generate_tokens(prompt, 1000, SamplingParams(1.0), 3):
-        committed.append(tok)
-        # the target holds every committed token but the newest, which the next round feeds
-        assert len(target.cache) >= len(committed) - 1 - 5
-    rounds = eng.last_stats.rounds
-    assert rounds > 100
-    assert target.cache == committed[:-1]
-    assert draft.cache == committed[: len(draft.cache)] and len(draft.cache) >= len(committed) - 2
-
-
-def test_kv_bookkeeping_after_each_round_and_no_growth():
+def test_kv_caches_hold_exactly_the_committed_tokens_after_every_round():
     p, q = _tables(8)
     target, draft = FakeBackend(p, n_ctx=1200), FakeBackend(q, n_ctx=1200, name="draft")
     eng = Engine(target, ModelDrafter(draft, V), gamma=4)
     seen = []
-    orig = draft.truncate
+    accept = eng.drafter.accept
 
     def checking_accept(tokens):
-        ModelDrafter.accept(eng.drafter, tokens)
-        seen.append((list(target.cache), list(tokens)))
+        accept(tokens)
+        seen.append((list(target.cache), list(draft.cache), list(tokens)))
     eng.drafter.accept = checking_accept
     list(eng.generate_tokens([0, 1], 1000, SamplingParams(1.0), 11))
     assert len(seen) >= 200
-    for cache, tokens in seen:
-        assert cache == tokens[:-1]
-    # 1,000 generated tokens in a 1,200 context: rejected drafts never accumulated
+    for t_cache, d_cache, tokens in seen:
+        # the target holds every committed token but the newest, which the next round feeds;
+        # the draft holds a prefix of that (one shorter when all its drafts were accepted)
+        assert t_cache == tokens[:-1]
+        assert d_cache == tokens[: len(d_cache)] and len(d_cache) >= len(tokens) - 2
+    # 1,000 tokens in a 1,200-token context: rejected drafts never accumulated
     assert len(target.cache) == 2 + 1000 - 1
-    assert orig is not None
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 5, 8])
+def test_greedy_speculative_equals_plain_greedy_exactly(gamma):
+    # no kernel rounding here, so T = 0 output must match plain decoding token for token
+    greedy = SamplingParams(0.0)
+    drafted = accepted = 0
+    for seed in range(20):
+        p, q = _tables(seed, noise=1.0)
+        plain = [t for t, _ in Engine(FakeBackend(p)).generate_tokens([0, seed % V], 60, greedy)]
+        eng = make_engine(p, q, gamma)
+        assert [t for t, _ in eng.generate_tokens([0, seed % V], 60, greedy)] == plain
+        drafted += eng.last_stats.drafted
+        accepted += eng.last_stats.accepted
+    assert 0 < accepted < drafted

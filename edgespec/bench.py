@@ -117,7 +117,9 @@ def main(args) -> int:
                 out, s1 = _run(spec, ptoks, args.bench_tokens, greedy)
                 row["plain_tps"].append(s0.tokens_per_second)
                 row["spec_tps"].append(s1.tokens_per_second)
-            row.update(identical=(out == ref), generated=len(out), drafted=s1.drafted, accepted=s1.accepted,
+            parted = next((j for j, (a, c) in enumerate(zip(out, ref)) if a != c),
+                          None if len(out) == len(ref) else min(len(out), len(ref)))
+            row.update(identical=parted is None, first_divergence=parted, generated=len(out), drafted=s1.drafted, accepted=s1.accepted,
                        acceptance=s1.acceptance_rate, accept_histogram=s1.accept_histogram,
                        target_forwards=s1.target_forwards, drafter=s1.drafter)
             row["plain_tps"] = statistics.median(row["plain_tps"])

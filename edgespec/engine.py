@@ -4,7 +4,6 @@ from __future__ import annotations
 import codecs
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -87,8 +86,9 @@ class Engine:
         self.last_stats: GenerationStats | None = None
         self._chat_prompt: str | None = None  # the rendered chat prompt being tokenized, if any
         if drafter is not None and not target.can_truncate:
+            drafter.close()
             raise UsageError(f"{target.path.name} is a recurrent or hybrid model whose cache cannot be "
-                             "cut back after a rejected draft: use --drafter none")
+                             "cut back after a rejected draft: speculation is impossible, use --drafter none")
 
     @classmethod
     def load(cls, target: str, draft: str | None = None, drafter: str = "auto", *,
@@ -121,9 +121,6 @@ class Engine:
         model_drafter = None
         try:
             if draft_path:
-                if not tb.can_truncate:
-                    raise UsageError(f"{Path(target_path).name} is a recurrent or hybrid model whose "
-                                     "cache cannot be cut back after a rejection: use --drafter none")
                 db = LlamaBackend(draft_path, n_ctx=n_ctx, n_gpu_layers=draft_n_gpu_layers,
                                   threads=threads, verbose=verbose)
                 model_drafter = ModelDrafter(db, max(tb.n_vocab, db.n_vocab))

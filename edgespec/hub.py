@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import DownloadError, ModelFileError, RegistryError
+from .errors import DownloadError, ModelFileError
 from .registry import ModelSpec, load_registry
 
 
@@ -111,10 +111,3 @@ def resolve(target: str, *, models_file: str | None = None, download: bool = Tru
             path = pull(spec)
         paths.append(path)
     return paths[0], paths[1]
-
-
-def default_pair(models_file: str | None = None) -> str:
-    try:
-        return load_registry(models_file).default
-    except RegistryError:
-        raise

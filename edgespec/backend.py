@@ -90,6 +90,9 @@ class LlamaBackend:
         self.n_ctx = min(n_ctx, int(L.llama_n_ctx(self._ctx)))
         self.n_batch = int(L.llama_n_batch(self._ctx))
         self.threads = threads
+        # what changes this backend's speed: the key of its calibration
+        self.settings = {"n_gpu_layers": n_gpu_layers, "n_ctx": self.n_ctx, "threads": threads,
+                         "flash_attn": flash_attn, "gpu_offload": gpu_offload_supported()}
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._mem = L.llama_get_memory(self._ctx)
         recurrent = L.llama_model_is_recurrent(self._model)

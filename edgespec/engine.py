@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import codecs
+import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -11,7 +13,7 @@ import numpy as np
 from .errors import BackendError, UsageError
 from .sampling import SamplingParams, verify, warp
 
-DRAFTER_MODES = ("auto", "model", "none")
+DRAFTER_MODES = ("auto", "model", "ngram", "none")
 DEFAULT_GAMMA = 4
 
 
@@ -25,6 +27,7 @@ class GenerationStats:
     rounds: int = 0
     target_forwards: int = 0
     accept_histogram: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafts
+    by_drafter: dict = field(default_factory=dict)  # name -> {"rounds", "drafted", "accepted"}
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str = ""
@@ -78,17 +81,29 @@ def _pad(rows: np.ndarray, width: int) -> np.ndarray:
 class Engine:
     """A target model and an optional drafter. Use `Engine.load` to build one from GGUF files."""
 
-    def __init__(self, target, drafter=None, *, gamma: int = DEFAULT_GAMMA, n_vocab: int | None = None):
+    def __init__(self, target, drafter=None, *, gamma: int = DEFAULT_GAMMA, n_vocab: int | None = None,
+                 ngram=None, policy=None):
+        """`drafter` (a draft model) and/or `ngram` propose; with a `policy` (auto mode) each
+        round picks the drafter and draft length, otherwise the one drafter drafts `gamma`."""
         self.target = target
         self.drafter = drafter
+        self.ngram = ngram
+        self.policy = policy
         self.gamma = gamma
         self.n_vocab = n_vocab or target.n_vocab
         self.last_stats: GenerationStats | None = None
         self._chat_prompt: str | None = None  # the rendered chat prompt being tokenized, if any
-        if drafter is not None and not target.can_truncate:
-            drafter.close()
+        if (drafter is not None or ngram is not None) and not target.can_truncate:
+            if drafter is not None:
+                drafter.close()
             raise UsageError(f"{target.path.name} is a recurrent or hybrid model whose cache cannot be "
                              "cut back after a rejected draft: speculation is impossible, use --drafter none")
+
+    @property
+    def mode(self) -> str:
+        if self.policy is not None:
+            return "auto"
+        return "model" if self.drafter else "ngram" if self.ngram else "none"
 
     @classmethod
     def load(cls, target: str, draft: str | None = None, drafter: str = "auto", *,
@@ -97,7 +112,10 @@ class Engine:
              models_file: str | None = None) -> "Engine":
         """Load a target (GGUF path or models.toml pair name) and, if wanted, its draft model."""
         from .backend import LlamaBackend
+        from .calibrate import load_or_measure
         from .drafters.model import ModelDrafter
+        from .drafters.ngram import NgramDrafter
+        from .policy import Policy
         from .ggufinfo import check_pair, read_info
         from .hub import resolve
 
@@ -108,25 +126,33 @@ class Engine:
         if not (isinstance(gamma, int) and 1 <= gamma <= 32):
             raise UsageError(f"gamma (draft length) must be an integer in 1..32, got {gamma!r}")
         target_path, pair_draft = resolve(target, models_file=models_file)
-        draft_path = draft or (pair_draft if drafter in ("auto", "model") else None)
+        draft_path = (draft or pair_draft) if drafter in ("auto", "model") else None
         if drafter == "model" and not draft_path:
-            raise UsageError(f"--drafter model needs a draft: pass --draft PATH or a pair that has one")
-        if drafter == "none":
-            draft_path = None
+            raise UsageError("--drafter model needs a draft: pass --draft PATH or a pair that has one")
         read_info(target_path)
         if draft_path:
             check_pair(target_path, draft_path)  # before any weights are loaded
         tb = LlamaBackend(target_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, threads=threads,
                           verbose=verbose)
-        model_drafter = None
+        db = None
+        if drafter == "auto" and not tb.can_truncate:
+            print(f"edgespec: {Path(target_path).name} is a recurrent or hybrid model; its cache cannot be "
+                  "cut back after a rejection, so it decodes without speculation", file=sys.stderr)
+            drafter, draft_path = "none", None
         try:
             if draft_path:
                 db = LlamaBackend(draft_path, n_ctx=n_ctx, n_gpu_layers=draft_n_gpu_layers,
                                   threads=threads, verbose=verbose)
-                model_drafter = ModelDrafter(db, max(tb.n_vocab, db.n_vocab))
-            return cls(tb, model_drafter, gamma=gamma,
-                       n_vocab=model_drafter.n_vocab if model_drafter else tb.n_vocab)
+            n_vocab = max(tb.n_vocab, db.n_vocab) if db else tb.n_vocab
+            model_drafter = ModelDrafter(db, n_vocab) if db else None
+            ngram = NgramDrafter() if drafter in ("auto", "ngram") else None
+            policy = None
+            if drafter == "auto":
+                policy = Policy(load_or_measure(tb, db, quiet=not verbose and not sys.stderr.isatty()))
+            return cls(tb, model_drafter, gamma=gamma, n_vocab=n_vocab, ngram=ngram, policy=policy)
         except BaseException:
+            if db is not None:
+                db.close()
             tb.close()
             raise
 
@@ -222,7 +248,7 @@ class Engine:
     def generate_tokens(self, prompt_tokens: list[int], max_tokens: int, params: SamplingParams,
                         seed: int | None = None) -> Iterator[tuple[int, bool]]:
         """The speculative loop over token ids: yields (token, from_draft) as they are committed."""
-        target, drafter = self.target, self.drafter
+        target, model, ngram, policy = self.target, self.drafter, self.ngram, self.policy
         n_ctx = target.n_ctx
         if not prompt_tokens:
             raise UsageError("the prompt is empty after tokenization")
@@ -230,8 +256,9 @@ class Engine:
             raise UsageError(f"the prompt is {len(prompt_tokens)} tokens but the context holds {n_ctx}: "
                              "raise --ctx or shorten the prompt")
         rng = np.random.default_rng(seed)
-        stats = GenerationStats(drafter=drafter.name if drafter else "none",
-                                prompt_tokens=len(prompt_tokens), accept_histogram=[0] * (self.gamma + 1))
+        max_gamma = policy.max_gamma if policy else self.gamma
+        stats = GenerationStats(drafter=self.mode, prompt_tokens=len(prompt_tokens),
+                                accept_histogram=[0] * (max_gamma + 1))
         self.last_stats = stats
         tokens = list(prompt_tokens)
 
@@ -241,15 +268,15 @@ class Engine:
         kept = target.keep_prefix(tokens)
         carry = target.eval(tokens[kept:], [len(tokens) - kept - 1])
         stats.target_forwards += 1
-        if drafter is not None:
-            drafter.begin(tokens)
+        for d in (model, ngram):
+            if d is not None:
+                d.begin(tokens)
         t1 = time.perf_counter()
         stats.prompt_seconds = t1 - t0
         try:
             while stats.generated < max_tokens and len(tokens) < n_ctx:
-                room = n_ctx - len(tokens)
-                gamma = min(self.gamma, max_tokens - stats.generated - 1, room - 1) if drafter else 0
-                drafts, q = drafter.propose(tokens, gamma, params, rng) if gamma > 0 else ([], None)
+                room = min(max_gamma, max_tokens - stats.generated - 1, n_ctx - len(tokens) - 1)
+                name, drafts, q = self._draft(tokens, room, params, rng)
                 if carry is not None:  # first round: the last prompt row is already computed
                     logits = np.concatenate([carry, target.eval(drafts, range(len(drafts)))]) if drafts else carry
                     stats.target_forwards += bool(drafts)
@@ -265,13 +292,7 @@ class Engine:
                 if not target.truncate(len(tokens) + n):
                     raise BackendError("the target's KV cache could not be cut back")
                 tokens.extend(new)
-                if drafter is not None and drafts:
-                    drafter.accept(tokens)
-                stats.rounds += 1
-                if drafts:
-                    stats.drafted += len(drafts)
-                    stats.accepted += n
-                    stats.accept_histogram[n] += 1
+                self._after_round(tokens, name, drafts, n, stats)
                 for i, tok in enumerate(new):
                     if target.is_eog(tok):
                         stats.finish_reason = "eos"
@@ -284,3 +305,44 @@ class Engine:
             stats.finish_reason = "length" if stats.generated >= max_tokens else "context"
         finally:
             stats.decode_seconds = time.perf_counter() - t1
+
+    def _draft(self, tokens, room, params, rng):
+        """(drafter name, draft tokens, q rows or None) for this round."""
+        if room <= 0:
+            return "none", [], None
+        if self.policy is None:  # one drafter, fixed length
+            d = self.drafter or self.ngram
+            if d is None:
+                return "none", [], None
+            drafts, q = d.propose(tokens, room, params, rng)
+            return d.name, drafts, q
+        n, cont = self.ngram.lookup(tokens, room) if self.ngram else (0, [])
+        choice = self.policy.choose((n, len(cont)) if cont else None, self.drafter is not None, room)
+        if choice.drafter == "ngram":
+            return "ngram", cont[:choice.gamma], None
+        if choice.drafter == "model":
+            drafts, q = self.drafter.propose(tokens, choice.gamma, params, rng)
+            return "model", drafts, q
+        return "none", [], None
+
+    def _after_round(self, tokens, name, drafts, n, stats) -> None:
+        stats.rounds += 1
+        if self.drafter is not None:
+            self.drafter.accept(tokens)  # cut the draft's cache back to the committed prefix
+        if self.policy is not None:
+            if self.ngram is not None and (seen := self.ngram.outcome(tokens)) is not None:
+                # scored whether or not it drafted this round: lookups cost nothing
+                self.policy.ngram_estimate(seen[0]).update(seen[1], seen[2])
+            if name == "model":
+                self.policy.model.update(n, len(drafts))
+        if drafts:
+            stats.drafted += len(drafts)
+            stats.accepted += n
+            stats.accept_histogram[n] += 1
+            d = stats.by_drafter.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})
+            d["rounds"] += 1
+            d["drafted"] += len(drafts)
+            d["accepted"] += n
+        else:
+            d = stats.by_drafter.setdefault("none", {"rounds": 0, "drafted": 0, "accepted": 0})
+            d["rounds"] += 1

@@ -15,10 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from .errors import UsageError
 from .sampling import SamplingParams
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parent.parent / "workloads" / "prompts.jsonl"
+
+
+MODES = ("auto", "model", "ngram", "lookup-peer")
 
 
 def setup_arg_parser(p):
@@ -28,9 +33,15 @@ def setup_arg_parser(p):
     p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per kind")
     p.add_argument("--bench-tokens", type=int, default=128, metavar="N", help="tokens per generation (default 128)")
     p.add_argument("--trials", type=int, default=1, metavar="N", help="timed repetitions per prompt (default 1)")
+    p.add_argument("--modes", default="auto", metavar="M1,M2",
+                   help="what to compare with plain decoding: " + ", ".join(MODES) + " (default auto); "
+                   "lookup-peer is llama-cpp-python's own LlamaPromptLookupDecoding")
+    p.add_argument("--sweep", default=None, metavar="G1,G2",
+                   help="also run the n-gram drafter at these fixed draft lengths (for the chart)")
     p.add_argument("--acceptance", action="store_true",
-                   help="also measure T=1 acceptance: exact sampling vs draft-argmax matching")
-    p.add_argument("--out", default="bench-results/bench.json", metavar="FILE", help="JSON output file")
+                   help="also measure T=1 acceptance of the draft model: exact sampling vs draft-argmax matching")
+    p.add_argument("--out", default="bench-results/bench.json", metavar="FILE",
+                   help="JSON output; a PNG chart is written beside it when matplotlib is installed")
     p.set_defaults(func=main)
 
 
@@ -91,6 +102,51 @@ def _run(engine, prompt_tokens, n, params, seed=None):
     return toks, engine.last_stats
 
 
+class LookupPeer:
+    """llama-cpp-python's Llama with its LlamaPromptLookupDecoding draft model, greedy."""
+
+    def __init__(self, path, n_ctx, threads):
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   draft_model=LlamaPromptLookupDecoding(), verbose=False)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self.is_eog = llama_cpp.llama_vocab_is_eog
+
+    def run(self, prompt_tokens, n):
+        self.llm.reset()
+        out, t_first = [], None
+        for tok in self.llm.generate(prompt_tokens, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            if self.is_eog(self.vocab, tok):
+                break
+            if t_first is None:
+                t_first = time.perf_counter()  # decode phase: after the first token
+            out.append(tok)
+            if len(out) >= n:
+                break
+        dt = time.perf_counter() - t_first if t_first else 0.0
+        return out, (len(out) - 1) / dt if dt > 0 else 0.0
+
+    def close(self):
+        self.llm.close()
+
+
+def _engines(spec, modes, sweep):
+    from .drafters.ngram import NgramDrafter
+    from .engine import Engine
+    out = {}
+    for m in modes:
+        if m == "auto":
+            out[m] = spec
+        elif m == "model" and spec.drafter is not None:
+            out[m] = Engine(spec.target, spec.drafter, gamma=spec.gamma)
+        elif m == "ngram":
+            out[m] = Engine(spec.target, ngram=NgramDrafter(), gamma=spec.gamma)
+    for g in sweep:
+        out[f"ngram-g{g}"] = Engine(spec.target, ngram=NgramDrafter(), gamma=g)
+    return out
+
+
 def main(args) -> int:
     from .cli import load_engine
     from .engine import Engine
@@ -98,69 +154,100 @@ def main(args) -> int:
     items = load_workloads(args.workloads, args.kinds, args.limit)
     if args.bench_tokens < 1 or args.trials < 1:
         raise UsageError("--bench-tokens and --trials must be >= 1")
+    modes = [m for m in (args.modes or "").split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise UsageError(f"unknown bench mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
+    try:
+        sweep = [int(g) for g in args.sweep.split(",")] if args.sweep else []
+    except ValueError:
+        raise UsageError(f"--sweep takes draft lengths like 1,2,4,8, got {args.sweep!r}") from None
+    args.drafter = "auto"
     spec = load_engine(args)
     plain = Engine(spec.target, None)
+    engines = _engines(spec, modes, sweep)
+    peer = LookupPeer(spec.target.path, spec.target.n_ctx, spec.target.threads) if "lookup-peer" in modes else None
     greedy = SamplingParams(0.0)
     rows = []
     with spec:
         prompts = [spec.target.tokenize(spec.format_chat([{"role": "user", "content": it["prompt"]}]))
                    for it in items]
-        _run(plain, prompts[0], 8, greedy)  # warm-up: page in weights, build kernels
-        if spec.drafter:
-            _run(spec, prompts[0], 8, greedy)
+        for eng in [plain, *engines.values()]:  # warm-up: page in weights, build kernels
+            _run(eng, prompts[0], 8, greedy)
         t_start = time.perf_counter()
         for i, (it, ptoks) in enumerate(zip(items, prompts), 1):
-            row = {"id": it["id"], "kind": it["kind"], "prompt_tokens": len(ptoks), "plain_tps": [],
-                   "spec_tps": []}
+            row = {"id": it["id"], "kind": it["kind"], "prompt_tokens": len(ptoks), "modes": {}}
+            tps = {"plain": []}
             for _ in range(args.trials):
                 ref, s0 = _run(plain, ptoks, args.bench_tokens, greedy)
-                out, s1 = _run(spec, ptoks, args.bench_tokens, greedy)
-                row["plain_tps"].append(s0.tokens_per_second)
-                row["spec_tps"].append(s1.tokens_per_second)
-            parted = next((j for j, (a, c) in enumerate(zip(out, ref)) if a != c),
-                          None if len(out) == len(ref) else min(len(out), len(ref)))
-            row.update(identical=parted is None, first_divergence=parted, generated=len(out), drafted=s1.drafted, accepted=s1.accepted,
-                       acceptance=s1.acceptance_rate, accept_histogram=s1.accept_histogram,
-                       target_forwards=s1.target_forwards, drafter=s1.drafter)
-            row["plain_tps"] = statistics.median(row["plain_tps"])
-            row["spec_tps"] = statistics.median(row["spec_tps"])
-            row["ratio"] = row["spec_tps"] / row["plain_tps"] if row["plain_tps"] else 0.0
+                tps["plain"].append(s0.tokens_per_second)
+                for name, eng in engines.items():
+                    out, s1 = _run(eng, ptoks, args.bench_tokens, greedy)
+                    tps.setdefault(name, []).append(s1.tokens_per_second)
+                    parted = next((j for j, (a, c) in enumerate(zip(out, ref)) if a != c),
+                                  None if len(out) == len(ref) else min(len(out), len(ref)))
+                    row["modes"][name] = dict(identical=parted is None, first_divergence=parted,
+                                              generated=len(out), drafted=s1.drafted, accepted=s1.accepted,
+                                              acceptance=s1.acceptance_rate, by_drafter=s1.by_drafter,
+                                              accept_histogram=s1.accept_histogram,
+                                              target_forwards=s1.target_forwards)
+                if peer:
+                    out, peer_tps = peer.run(ptoks, args.bench_tokens)
+                    tps.setdefault("lookup-peer", []).append(peer_tps)
+                    row["modes"]["lookup-peer"] = dict(identical=out == ref, generated=len(out))
+            row["plain_tps"] = statistics.median(tps["plain"])
+            for name, vals in tps.items():
+                if name != "plain":
+                    m = row["modes"][name]
+                    m["tps"] = statistics.median(vals)
+                    m["ratio"] = m["tps"] / row["plain_tps"] if row["plain_tps"] else 0.0
             if args.acceptance and spec.drafter is not None:
                 t1 = SamplingParams(1.0)
-                _, se = _run(spec, ptoks, args.bench_tokens, t1, seed=i)
-                argmax_engine = Engine(spec.target, ArgmaxDrafts(spec.drafter), gamma=spec.gamma)
-                _, sa = _run(argmax_engine, ptoks, args.bench_tokens, t1, seed=i)
+                model = Engine(spec.target, spec.drafter, gamma=spec.gamma)
+                _, se = _run(model, ptoks, args.bench_tokens, t1, seed=i)
+                _, sa = _run(Engine(spec.target, ArgmaxDrafts(spec.drafter), gamma=spec.gamma),
+                             ptoks, args.bench_tokens, t1, seed=i)
                 row.update(t1_exact_acceptance=se.acceptance_rate, t1_argmax_acceptance=sa.acceptance_rate)
             rows.append(row)
             eta = (time.perf_counter() - t_start) / i * (len(items) - i)
-            print(f"[{i}/{len(items)}] {it['id']:<22} plain {row['plain_tps']:6.1f} tok/s  edgespec "
-                  f"{row['spec_tps']:6.1f} tok/s  x{row['ratio']:.2f}  accept {row['acceptance']:.2f}  "
-                  f"{'identical' if row['identical'] else 'DIFFERENT'}  (eta {eta:.0f}s)",
+            ratios = "  ".join(f"{k} x{m['ratio']:.2f}{'' if m['identical'] else '*'}"
+                               for k, m in row["modes"].items())
+            print(f"[{i}/{len(items)}] {it['id']:<20} plain {row['plain_tps']:5.1f} tok/s  {ratios}  (eta {eta:.0f}s)",
                   file=sys.stderr, flush=True)
+    if peer:
+        peer.close()
     summary = summarize(rows)
-    report = {"target": str(spec.target.path), "drafter": rows[0]["drafter"],
-              "draft": str(spec.drafter.backend.path) if getattr(spec.drafter, "backend", None) else None,
+    report = {"target": str(spec.target.path),
+              "draft": str(spec.drafter.backend.path) if spec.drafter else None,
               "gamma": spec.gamma, "threads": spec.target.threads, "bench_tokens": args.bench_tokens,
-              "trials": args.trials, "rows": rows, "by_kind": summary}
+              "trials": args.trials, "calibration": list(spec.policy.costs.verify) if spec.policy else None,
+              "rows": rows, "by_kind": summary}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(format_table(summary))
     print(f"\nJSON: {out}")
+    png = plot(report, out.with_suffix(".png"))
+    if png:
+        print(f"chart: {png}")
     return 0
 
 
 def summarize(rows: list[dict]) -> dict:
-    kinds = {}
+    kinds: dict[str, list[dict]] = {}
     for r in rows:
         kinds.setdefault(r["kind"], []).append(r)
     out = {}
     for kind, rs in kinds.items():
         plain = statistics.mean(r["plain_tps"] for r in rs)
-        spec = statistics.mean(r["spec_tps"] for r in rs)
-        d = {"prompts": len(rs), "plain_tps": plain, "spec_tps": spec, "ratio": spec / plain if plain else 0.0,
-             "acceptance": (sum(r["accepted"] for r in rs) / max(1, sum(r["drafted"] for r in rs))),
-             "identical": f"{sum(r['identical'] for r in rs)}/{len(rs)}"}
+        d = {"prompts": len(rs), "plain_tps": plain, "modes": {}}
+        for name in rs[0]["modes"]:
+            ms = [r["modes"][name] for r in rs]
+            tps = statistics.mean(m["tps"] for m in ms)
+            d["modes"][name] = {
+                "tps": tps, "ratio": tps / plain if plain else 0.0,
+                "acceptance": (sum(m.get("accepted", 0) for m in ms) / max(1, sum(m.get("drafted", 0) for m in ms))),
+                "identical": f"{sum(m['identical'] for m in ms)}/{len(ms)}"}
         if "t1_exact_acceptance" in rs[0]:
             d["t1_exact_acceptance"] = statistics.mean(r["t1_exact_acceptance"] for r in rs)
             d["t1_argmax_acceptance"] = statistics.mean(r["t1_argmax_acceptance"] for r in rs)
@@ -169,17 +256,43 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def format_table(summary: dict) -> str:
-    has_t1 = any("t1_exact_acceptance" in d for d in summary.values())
-    head = "| kind | prompts | plain tok/s | edgespec tok/s | ratio | acceptance (T=0) | T=0 tokens identical |"
-    sep = "|---|---|---|---|---|---|---|"
-    if has_t1:
-        head += " T=1 acceptance, exact | T=1 acceptance, argmax match |"
-        sep += "---|---|"
-    lines = [head, sep]
+    lines = ["| kind | mode | tok/s | plain tok/s | ratio | acceptance (T=0) | T=0 identical to plain |",
+             "|---|---|---|---|---|---|---|"]
     for kind, d in summary.items():
-        line = (f"| {kind} | {d['prompts']} | {d['plain_tps']:.1f} | {d['spec_tps']:.1f} | {d['ratio']:.2f}x | "
-                f"{d['acceptance']:.2f} | {d['identical']} |")
-        if has_t1:
-            line += f" {d.get('t1_exact_acceptance', 0):.2f} | {d.get('t1_argmax_acceptance', 0):.2f} |"
-        lines.append(line)
+        for name, m in d["modes"].items():
+            acc = f"{m['acceptance']:.2f}" if name != "lookup-peer" else "-"
+            lines.append(f"| {kind} | {name} | {m['tps']:.1f} | {d['plain_tps']:.1f} | {m['ratio']:.2f}x | "
+                         f"{acc} | {m['identical']} |")
+    if any("t1_exact_acceptance" in d for d in summary.values()):
+        lines += ["", "| kind | T=1 acceptance, exact min(1, p/q) | T=1 acceptance, argmax match |", "|---|---|---|"]
+        for kind, d in summary.items():
+            lines.append(f"| {kind} | {d['t1_exact_acceptance']:.2f} | {d['t1_argmax_acceptance']:.2f} |")
     return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """Tokens/s against n-gram draft length per kind (from --sweep), plain and auto as lines."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    by_kind = report["by_kind"]
+    sweep = sorted({int(k[7:]) for d in by_kind.values() for k in d["modes"] if k.startswith("ngram-g")})
+    if not sweep:
+        return None
+    fig, axes = plt.subplots(1, len(by_kind), figsize=(4 * len(by_kind), 3.4), sharey=True)
+    for ax, (kind, d) in zip(np.atleast_1d(axes), by_kind.items()):
+        ax.plot(sweep, [d["modes"][f"ngram-g{g}"]["tps"] for g in sweep], "o-", label="n-gram, fixed length")
+        ax.axhline(d["plain_tps"], color="gray", ls="--", label="plain decoding")
+        if "auto" in d["modes"]:
+            ax.axhline(d["modes"]["auto"]["tps"], color="green", ls=":", label="auto")
+        ax.set_xscale("log", base=2)
+        ax.set_title(kind)
+        ax.set_xlabel("draft length")
+    np.atleast_1d(axes)[0].set_ylabel("decode tokens/s")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

@@ -93,8 +93,11 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, reps: int = 2, prog
 
 
 def _progress(k: int, n: int) -> None:
-    print(f"\rcalibrating on this device: target pass {k}/{n}", end="" if k < n else "\n",
-          file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(f"\rcalibrating on this device (once per model and setting): target pass {k}/{n}",
+              end="" if k < n else "\n", file=sys.stderr, flush=True)
+    elif k == 1:
+        print("calibrating on this device (once per model and setting)...", file=sys.stderr, flush=True)
 
 
 def load_or_measure(target, draft=None, *, force: bool = False, quiet: bool = False) -> Costs:

@@ -21,7 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", metavar="PATH", help="target GGUF file (instead of a pair)")
     p.add_argument("--draft", metavar="PATH", help="draft GGUF file (overrides the pair's draft)")
     p.add_argument("--drafter", default="auto", metavar="MODE",
-                   help="auto | model | none (default: auto = the draft model when there is one)")
+                   help="auto | model | ngram | none. auto (default) picks per round between n-gram "
+                   "lookup, the draft model and plain decoding from costs measured on this device; "
+                   "model and ngram always draft --gamma tokens; none is plain decoding")
     p.add_argument("--models", metavar="FILE", help="your own models.toml, extending the built-in one "
                    "(also $EDGESPEC_MODELS)")
     p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context size in tokens (default 4096)")
@@ -30,7 +32,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target layers to offload to the GPU; -1 = all, 0 = CPU only (default -1)")
     p.add_argument("--draft-n-gpu-layers", type=int, default=-1, metavar="N",
                    help="draft layers to offload to the GPU (default -1)")
-    p.add_argument("--gamma", type=int, default=4, metavar="N", help="draft length per round (default 4)")
+    p.add_argument("--gamma", type=int, default=4, metavar="N",
+                   help="draft length per round for --drafter model/ngram (default 4; auto chooses its own)")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's own logs")
 
 
@@ -78,6 +81,8 @@ def _setup_run(sub) -> None:
     p.add_argument("--raw", action="store_true", help="send the prompt verbatim, without the chat template")
     p.add_argument("--system", metavar="TEXT", help="system message for the chat template")
     p.add_argument("--json", action="store_true", help='print one JSON object {"text", "tokens", "stats"}')
+    p.add_argument("--show-drafts", action="store_true",
+                   help="colour the tokens that came from accepted drafts (green)")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -112,13 +117,15 @@ def cmd_run(args) -> int:
             tokens.append(ev.token)
             parts.append(ev.text)
             if not args.json:
-                sys.stdout.write(ev.text)
+                sys.stdout.write(f"\033[32m{ev.text}\033[0m" if args.show_drafts and ev.from_draft and ev.text
+                                 else ev.text)
                 sys.stdout.flush()
         stats = engine.last_stats
         if args.json:
             print(json.dumps({"text": "".join(parts), "tokens": tokens, "stats": stats.as_dict()}))
         else:
             sys.stdout.write("\n")
+            sys.stdout.flush()
             print(stats.summary(), file=sys.stderr)
     return 0
 
@@ -132,12 +139,46 @@ def _setup_bench(sub) -> None:
     _add_model_args(sub.choices["bench"])
 
 
+# -- calibrate ------------------------------------------------------------------------------
+def _setup_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure what verifying k tokens costs on this device",
+                       description="Time target passes returning logits for 1..32 rows and one draft "
+                       "step, and cache them for --drafter auto (done automatically on first use).")
+    _add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import load_or_measure
+    from .hub import resolve
+    from .registry import load_registry
+    if args.target and args.pair:
+        raise UsageError("give either a pair name or --target PATH, not both")
+    _, pair_draft = resolve(args.target or args.pair or load_registry(args.models).default,
+                            models_file=args.models)
+    args.drafter = "model" if (args.draft or pair_draft) else "none"
+    with load_engine(args) as eng:
+        costs = load_or_measure(eng.target, eng.drafter.backend if eng.drafter else None, force=True)
+    if args.json:
+        print(json.dumps({"verify_seconds": costs.verify, "draft_step_seconds": costs.draft_step}))
+    else:
+        step = costs.verify[0]
+        print("rows  ms/pass  x one step")
+        for k, c in enumerate(costs.verify, 1):
+            print(f"{k:4d}  {1000 * c:7.1f}  {c / step:5.2f}")
+        if costs.draft_step:
+            print(f"draft step: {1000 * costs.draft_step:.1f} ms = {costs.draft_step / step:.2f} of a target step")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Exact speculative decoding for GGUF models on llama.cpp.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     sub.required = True
     _setup_run(sub)
     _setup_bench(sub)
+    _setup_calibrate(sub)
     return parser
 
 

@@ -53,6 +53,9 @@ class GenerationStats:
              f"{self.target_forwards} target passes, drafter {self.drafter}")
         if self.drafted:
             s += f", accepted {self.accepted}/{self.drafted} ({100 * self.acceptance_rate:.0f}%)"
+        if self.drafter == "auto":
+            s += " [" + ", ".join(f"{k}: {v['rounds']} rounds" + (f" {v['accepted']}/{v['drafted']}" if v["drafted"] else "")
+                                  for k, v in sorted(self.by_drafter.items())) + "]"
         return s
 
 
@@ -148,7 +151,7 @@ class Engine:
             ngram = NgramDrafter() if drafter in ("auto", "ngram") else None
             policy = None
             if drafter == "auto":
-                policy = Policy(load_or_measure(tb, db, quiet=not verbose and not sys.stderr.isatty()))
+                policy = Policy(load_or_measure(tb, db))
             return cls(tb, model_drafter, gamma=gamma, n_vocab=n_vocab, ngram=ngram, policy=policy)
         except BaseException:
             if db is not None:

@@ -19,13 +19,16 @@ class FakeBackend:
         self.cache: list[int] = []  # what a KV cache would hold, position by position
         self.evals = 0
         self.closed = False
+        self.settings = {"n_ctx": n_ctx}
 
     @property
     def n_past(self) -> int:
         return len(self.cache)
 
     def tokenize(self, text, add_bos=True, special=True):
-        return ([self.bos] if add_bos else []) + [int(c) % self.n_vocab for c in text.split()]
+        # digits are token ids; other words map to a stable id
+        ids = [int(w) if w.isdigit() else sum(map(ord, w)) for w in text.split()]
+        return ([self.bos] if add_bos else []) + [i % self.n_vocab for i in ids]
 
     def token_to_piece(self, token, special=False):
         return f"<{token}>".encode()

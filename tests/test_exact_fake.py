@@ -42,13 +42,14 @@ def exact_laws(p_table, params, first):
     return joint, third
 
 
-def empirical(engine, params, n, seed=0):
+def empirical(engine, params, n, seed=0, prompt=(0, 1)):
     rng = np.random.default_rng(seed)
+    prompt = list(prompt)
     joint = np.zeros((V, V))
     third = np.zeros(V)
     drafted = accepted = 0
     for _ in range(n):
-        out = [t for t, _ in engine.generate_tokens([0, 1], 3, params, rng)]
+        out = [t for t, _ in engine.generate_tokens(prompt, 3, params, rng)]
         joint[out[0], out[1]] += 1
         third[out[2]] += 1
         drafted += engine.last_stats.drafted
@@ -99,6 +100,31 @@ def test_speculative_output_has_the_target_law(name):
     # the draft really was used, and both acceptance and rejection happened often
     drafted, accepted = eng.totals
     assert 0.05 < accepted / drafted < 0.95, (drafted, accepted)
+
+
+REPEATING = (0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 1, 2, 5, 0, 1)  # ends in 0 1: lookups find 2 3 / 2 5
+
+
+@pytest.mark.parametrize("mode", ["ngram", "auto"])
+def test_ngram_and_auto_drafts_keep_the_target_law(mode):
+    from edgespec.drafters.ngram import NgramDrafter
+    from edgespec.policy import Costs, Policy
+    params = SamplingParams(0.9, top_k=4)
+    p, q = _tables(5)
+    if mode == "ngram":
+        eng = Engine(FakeBackend(p), ngram=NgramDrafter(), gamma=4)
+    else:  # cheap verification: the policy drafts with both the model and the n-grams
+        costs = Costs(verify=tuple(0.01 + 0.0005 * k for k in range(1, 9)), draft_step=0.004)
+        eng = Engine(FakeBackend(p), ModelDrafter(FakeBackend(q, name="draft"), V), ngram=NgramDrafter(),
+                     policy=Policy(costs, max_gamma=7))
+    joint, third = empirical(eng, params, N, prompt=REPEATING)
+    want_joint, want_third = exact_laws(p, params, first=1)
+    assert tv(joint, want_joint) < tv_threshold(V * V)
+    assert tv(third, want_third) < tv_threshold(V)
+    drafted, accepted = eng.totals
+    assert 0.05 < accepted / drafted < 0.95
+    if mode == "auto":
+        assert set(eng.last_stats.by_drafter) | set(eng.policy.decisions) >= {"ngram", "model"}
 
 
 def wrong_verify_no_residual(draft, p, q, rng):

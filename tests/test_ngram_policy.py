@@ -1,0 +1,154 @@
+"""N-gram drafter, policy and calibration cache, on small arrays and fake costs."""
+import json
+import random
+
+import numpy as np
+import pytest
+
+from edgespec import calibrate
+from edgespec.drafters.ngram import NgramDrafter, NgramIndex
+from edgespec.engine import Engine
+from edgespec.policy import Acceptance, Costs, Policy, best_gamma, expected_tokens
+from edgespec.sampling import SamplingParams
+
+from fakes import FakeBackend
+
+
+def brute_force(tokens, limit, n_min=1, n_max=8):
+    for n in range(min(n_max, len(tokens)), n_min - 1, -1):
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - 2, n - 2, -1):  # most recent earlier end position
+            if tokens[i - n + 1:i + 1] == suffix:
+                return n, tokens[i + 1:i + 1 + limit]
+    return 0, []
+
+
+def test_lookup_continues_the_longest_most_recent_match():
+    idx = NgramIndex()
+    toks = [5, 6, 7, 8, 9, 1, 6, 7, 3, 5, 6, 7]
+    # suffix 5 6 7 occurs at 0..2 (continues 8 9); 6 7 alone occurs later at 6..7 (continues 3)
+    assert idx.lookup(toks, 3) == (3, [8, 9, 1])
+    assert NgramIndex().lookup([1, 2, 3], 4) == (0, [])  # nothing repeats
+    assert NgramIndex().lookup([4, 4], 5) == (1, [4])    # continuation stops at the context end
+
+
+def test_incremental_index_agrees_with_brute_force_search():
+    rng = random.Random(0)
+    idx = NgramIndex()
+    toks = []
+    for step in range(600):
+        toks.extend(rng.choice([[rng.randrange(5)], [rng.randrange(30)] * 2, toks[-6:] or [1]]))
+        if step % 3 == 0:
+            assert idx.lookup(toks, 7) == brute_force(toks, 7), step
+
+
+def test_index_work_per_new_token_is_bounded():
+    idx = NgramIndex(n_max=8)
+    toks = list(range(8000))
+    idx.lookup(toks, 4)
+
+    class CountingDict(dict):
+        sets = 0
+
+        def __setitem__(self, k, v):
+            CountingDict.sets += 1
+            super().__setitem__(k, v)
+    idx.last_end = CountingDict(idx.last_end)
+    toks.append(3)
+    idx.lookup(toks, 4)
+    assert CountingDict.sets == 8  # one entry per n-gram length, not a rescan of 8,000 tokens
+
+
+def test_outcome_scores_the_last_proposal_against_committed_tokens():
+    d = NgramDrafter()
+    toks = [1, 2, 3, 4, 1, 2]
+    d.begin(toks)
+    assert d.lookup(toks, 3) == (2, [3, 4, 1])
+    assert d.outcome(toks + [3, 4, 9]) == (2, 2, 3)
+    assert d.outcome(toks) is None  # consumed
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 5) == 1
+    assert expected_tokens(1.0, 5) == 6
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_policy_drafts_nothing_when_verifying_costs_as_much_as_decoding():
+    # verifying k rows costs k plain steps: no acceptance rate can pay for it
+    costs = Costs(verify=tuple(0.035 * k for k in range(1, 33)), draft_step=0.02)
+    assert best_gamma(costs, 0.99, 0.0, 32)[0] == 0
+    p = Policy(costs, model=Acceptance(prior=0.95, weight=1000))
+    est = p.ngram_estimate(4)
+    est.update(40, 40)
+    assert p.choose((4, 30), has_model=True, room=32).drafter == "none"
+
+
+def test_policy_drafts_long_when_verifying_is_cheap():
+    # a GPU-like curve: k rows cost about one step
+    costs = Costs(verify=tuple(0.035 + 0.001 * k for k in range(1, 33)), draft_step=0.002)
+    p = Policy(costs)
+    p.ngram_estimate(6).update(60, 60)
+    c = p.choose((6, 32), has_model=False, room=32)
+    assert c.drafter == "ngram" and c.gamma >= 16
+    p2 = Policy(costs, model=Acceptance(prior=0.8, weight=1000))
+    c2 = p2.choose(None, has_model=True, room=32)
+    assert c2.drafter == "model" and c2.gamma >= 4
+
+
+def test_policy_uses_a_cheaper_longer_pass_on_a_non_monotonic_curve():
+    # 16 rows cost less than 12, as on this project's CPU
+    verify = [0.035 + 0.025 * k for k in range(1, 33)]
+    verify[15] = verify[10]
+    g, _ = best_gamma(Costs(tuple(verify)), 0.98, 0.0, 32)
+    assert g == 15  # 15 drafts + 1 bonus row = the cheap 16-row pass
+
+
+def test_no_speculation_before_any_evidence():
+    costs = Costs(verify=tuple(0.035 + 0.001 * k for k in range(1, 33)))
+    p = Policy(costs)
+    assert p.choose((3, 10), has_model=False, room=32).drafter == "none"
+
+
+def test_ngram_and_auto_at_t0_equal_plain_exactly_on_the_fake():
+    rng = np.random.default_rng(0)
+    table = rng.normal(0, 2, (6, 6)).astype(np.float32)
+    prompt = [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    greedy = SamplingParams(0.0)
+    plain = [t for t, _ in Engine(FakeBackend(table)).generate_tokens(prompt, 100, greedy)]
+    eng = Engine(FakeBackend(table), ngram=NgramDrafter(), gamma=6)
+    assert [t for t, _ in eng.generate_tokens(prompt, 100, greedy)] == plain
+    assert eng.last_stats.accepted > 10
+    costs = Costs(verify=tuple(0.035 + 0.001 * k for k in range(1, 33)))
+    auto = Engine(FakeBackend(table), ngram=NgramDrafter(), policy=Policy(costs))
+    assert [t for t, _ in auto.generate_tokens(prompt, 100, greedy)] == plain
+    assert auto.last_stats.by_drafter["ngram"]["accepted"] > 10
+
+
+def test_calibration_is_cached_and_invalidated_when_model_or_settings_change(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF fake")
+    table = np.zeros((6, 6), np.float32)
+    fb = FakeBackend(table, n_ctx=512)
+    fb.path = model
+    calls = []
+    real = calibrate.measure
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, max_rows=4, reps=1, **{k: v for k, v in kw.items() if k != "progress"})
+    monkeypatch.setattr(calibrate, "measure", counting)
+    c1 = calibrate.load_or_measure(fb, quiet=True)
+    c2 = calibrate.load_or_measure(fb, quiet=True)
+    assert len(calls) == 1 and c1 == c2 and len(c1.verify) == 4
+    fb.settings = {"n_ctx": 512, "threads": 7}            # another setting: measure again
+    calibrate.load_or_measure(fb, quiet=True)
+    assert len(calls) == 2
+    model.write_bytes(b"GGUF another model")              # another file: measure again
+    calibrate.load_or_measure(fb, quiet=True)
+    assert len(calls) == 3
+    calibrate.load_or_measure(fb, quiet=True, force=True)  # `edgespec calibrate`
+    assert len(calls) == 4
+    files = list((tmp_path / "cache" / "calibration").glob("*.json"))
+    assert len(files) == 3 and all("verify" in json.loads(f.read_text()) for f in files)

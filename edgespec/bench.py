@@ -152,6 +152,8 @@ def main(args) -> int:
     from .engine import Engine
 
     items = load_workloads(args.workloads, args.kinds, args.limit)
+    if args.memory_budget:
+        return memory_bench(args, items)
     if args.bench_tokens < 1 or args.trials < 1:
         raise UsageError("--bench-tokens and --trials must be >= 1")
     modes = [m for m in (args.modes or "").split(",") if m]
@@ -296,3 +298,111 @@ def plot(report: dict, path: Path) -> Path | None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+class RssSampler:
+    """Peak resident memory of another process, sampled by psutil in a thread."""
+
+    def __init__(self, pid: int, interval: float = 0.01):
+        import threading
+
+        import psutil
+        self.proc, self.interval, self.peak = psutil.Process(pid), interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        import psutil
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            except psutil.Error:
+                return
+            self._stop.wait(self.interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def memory_bench(args, items) -> int:
+    """Each configuration that fits the budget, run in its own process: tokens/s, acceptance,
+    peak RSS (sampled by psutil and the kernel's own ru_maxrss) beside the estimate."""
+    import subprocess
+    import tempfile
+
+    from .ggufinfo import read_info
+    from .hub import resolve
+    from .memory import parse_size, plan
+    from .registry import load_registry
+
+    budget = parse_size(args.memory_budget)
+    target, pair_draft = resolve(args.target or args.pair or load_registry(args.models).default,
+                                 models_file=args.models)
+    draft = args.draft or pair_draft
+    result = plan(read_info(target), read_info(draft) if draft else None, n_ctx=args.ctx, budget=budget)
+    configs = [c for c in result["configs"] if c["fits"] and c["n_ctx"] == args.ctx]
+    firsts = list({it["kind"]: it for it in items}.values())  # one prompt per kind
+    rows = []
+    for i, cfg in enumerate(configs, 1):
+        for it in firsts:
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as fh:
+                fh.write(it["prompt"])
+            cmd = [sys.executable, "-m", "edgespec", "run", "--target", str(target), "--drafter", cfg["drafter"],
+                   "--ctx", str(cfg["n_ctx"]), "--json", "--max-tokens", str(args.bench_tokens), "-f", fh.name]
+            if cfg["drafter"] == "model":
+                cmd += ["--draft", str(draft)]
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            sampler = RssSampler(child.pid)
+            out, err = child.communicate()
+            sampled = sampler.stop()
+            Path(fh.name).unlink()
+            if child.returncode != 0:
+                raise UsageError(f"the {cfg['drafter']} run failed: {err.strip().splitlines()[-1] if err.strip() else '?'}")
+            res = json.loads(out)
+            peak = max(sampled, res["peak_rss_bytes"])
+            rows.append({"drafter": cfg["drafter"], "n_ctx": cfg["n_ctx"], "id": it["id"], "kind": it["kind"],
+                         "tokens_per_second": res["stats"]["tokens_per_second"],
+                         "acceptance": res["stats"]["acceptance_rate"], "estimated_bytes": cfg["estimated_bytes"],
+                         "peak_rss_bytes": peak, "peak_rss_sampled_bytes": sampled,
+                         "error": (cfg["estimated_bytes"] - peak) / peak})
+            print(f"[{i}/{len(configs)}] {cfg['drafter']:<6} {it['id']:<20} {res['stats']['tokens_per_second']:6.1f} tok/s  "
+                  f"peak {peak / 2**20:7.0f} MiB  estimate {cfg['estimated_bytes'] / 2**20:7.0f} MiB",
+                  file=sys.stderr, flush=True)
+    report = {"budget_bytes": budget, "choice": result["choice"], "rows": rows}
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2))
+    print("| drafter | n_ctx | tok/s | acceptance | peak RSS (MiB) | estimate (MiB) | error |")
+    print("|---|---|---|---|---|---|---|")
+    for d in dict.fromkeys(r["drafter"] for r in rows):
+        rs = [r for r in rows if r["drafter"] == d]
+        peak = max(r["peak_rss_bytes"] for r in rs)
+        est = rs[0]["estimated_bytes"]
+        print(f"| {d} | {rs[0]['n_ctx']} | {statistics.mean(r['tokens_per_second'] for r in rs):.1f} | "
+              f"{statistics.mean(r['acceptance'] for r in rs):.2f} | {peak / 2**20:.0f} | {est / 2**20:.0f} | "
+              f"{100 * (est - peak) / peak:+.1f}% |")
+    print(f"\nJSON: {out_path}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        names = list(dict.fromkeys(r["drafter"] for r in rows))
+        peaks = [max(r["peak_rss_bytes"] for r in rows if r["drafter"] == n) / 2**20 for n in names]
+        ests = [next(r["estimated_bytes"] for r in rows if r["drafter"] == n) / 2**20 for n in names]
+        x = np.arange(len(names))
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.bar(x - 0.2, ests, 0.4, label="estimate")
+        ax.bar(x + 0.2, peaks, 0.4, label="measured peak RSS")
+        ax.axhline(budget / 2**20, color="red", ls="--", label="budget")
+        ax.set_xticks(x, names)
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_path.with_suffix(".png"), dpi=110)
+        print(f"chart: {out_path.with_suffix('.png')}")
+    except ImportError:
+        pass
+    return 0

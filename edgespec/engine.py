@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import BackendError, UsageError
-from .sampling import SamplingParams, verify, warp
+from .sampling import SamplingParams, verify, verify_greedy, warp
 
 DRAFTER_MODES = ("auto", "model", "ngram", "none")
 DEFAULT_GAMMA = 4
@@ -311,8 +311,10 @@ class Engine:
                     feed = pending + drafts
                     logits = target.eval(feed, range(len(pending) - 1, len(feed)))
                     stats.target_forwards += 1
-                p = warp(_pad(logits, self.n_vocab), params)
-                n, y = verify(drafts, p, q, rng)
+                if params.greedy:
+                    n, y = verify_greedy(drafts, logits)
+                else:
+                    n, y = verify(drafts, warp(_pad(logits, self.n_vocab), params), q, rng)
                 new = drafts[:n] + [y]
                 if not target.truncate(len(tokens) + n):
                     raise BackendError("the target's KV cache could not be cut back")

@@ -130,3 +130,13 @@ def verify(draft: list[int], p: np.ndarray, q: np.ndarray | None,
             residual = p[i]
         return i, sample(residual, rng)
     return len(draft), sample(p[len(draft)], rng)
+
+
+def verify_greedy(draft: list[int], logits: np.ndarray) -> tuple[int, int]:
+    """`verify` at temperature 0, on raw logits: accept while each draft is the row's argmax.
+    The same result as warping to one-hot rows and verifying, without building them."""
+    best = np.argmax(logits, axis=1)
+    n = 0
+    while n < len(draft) and draft[n] == best[n]:
+        n += 1
+    return n, int(best[n])

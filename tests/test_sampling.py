@@ -109,3 +109,15 @@ def test_point_mass_drafts_accept_while_target_samples_match():
     p = np.array([[0, 1, 0], [0, 0, 1], [1, 0, 0]], np.float32)
     assert verify([1, 2], p, None, rng) == (2, 0)
     assert verify([1, 0], p, None, rng) == (1, 2)
+
+
+def test_greedy_verification_on_logits_matches_the_general_verifier():
+    from edgespec.sampling import verify_greedy
+    rng = np.random.default_rng(6)
+    for _ in range(300):
+        logits = rng.normal(0, 1, (4, 7)).astype(np.float32)
+        draft = [int(np.argmax(r)) if rng.random() < 0.7 else int(rng.integers(7)) for r in logits[:3]]
+        p = warp(logits, SamplingParams(0.0))
+        q = np.zeros((3, 7), np.float32)
+        q[np.arange(3), draft] = 1
+        assert verify_greedy(draft, logits) == verify(draft, p, q, rng) == verify(draft, p, None, rng)

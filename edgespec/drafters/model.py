@@ -28,16 +28,19 @@ class ModelDrafter:
         # the committed tokens the draft has not seen yet (the last one or two after a round)
         pending = tokens[be.n_past:]
         drafts: list[int] = []
-        q = np.zeros((gamma, self.n_vocab), dtype=np.float32)
+        # at T = 0 the verifier compares argmaxes and needs no q rows
+        q = None if params.greedy else np.zeros((gamma, self.n_vocab), dtype=np.float32)
+        w = min(be.n_vocab, self.n_vocab)
         for i in range(gamma):
             feed = pending if i == 0 else [drafts[-1]]
             logits = be.eval(feed, [len(feed) - 1])[0]
-            w = min(be.n_vocab, self.n_vocab)
+            if q is None:
+                drafts.append(int(np.argmax(logits[:w])))
+                continue
             row = np.full(self.n_vocab, -np.inf, dtype=np.float32)
             row[:w] = logits[:w]
             q[i] = warp(row, params)
-            # sampling a one-hot row is its argmax, so T = 0 drafts the draft's greedy token
-            drafts.append(sample(q[i], rng) if not params.greedy else int(np.argmax(q[i])))
+            drafts.append(sample(q[i], rng))
         return drafts, q
 
     def accept(self, tokens: list[int]) -> None:

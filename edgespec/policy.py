@@ -11,9 +11,12 @@ not monotonic on every device, which the search over gamma uses as it is.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MIN_OBSERVATIONS = 4  # trials before an estimate is trusted: no speculation on nothing
+CAUTION = 0.5         # acceptance is taken half a standard deviation below its estimate
+MARGIN = 1.0          # how much better than plain decoding a round must be expected to be
 
 
 @dataclass
@@ -39,6 +42,11 @@ class Acceptance:
     @property
     def mean(self) -> float:
         return (self.hits + self.prior * self.weight) / (self.trials + self.weight)
+
+    def lower(self, z: float = 1.0) -> float:
+        """A pessimistic estimate: the posterior mean less z standard deviations."""
+        m, n = self.mean, self.trials + self.weight
+        return max(0.0, m - z * math.sqrt(m * (1.0 - m) / (n + 1.0)))
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -99,18 +107,20 @@ class Policy:
     def choose(self, ngram_match: tuple[int, int] | None, has_model: bool, room: int) -> Choice:
         """ngram_match: (match length, continuation tokens available) or None; room: most
         drafts that fit (context and max_tokens)."""
-        g, tps = 0, 1.0 / self.costs.verify_cost(1)
-        choice = Choice("none", 0, tps)
+        plain = 1.0 / self.costs.verify_cost(1)
+        choice = Choice("none", 0, plain)
+        bar = plain * MARGIN  # the cost model is an estimate: a marginal bet is not worth taking
         if ngram_match and room > 0:
             n, available = ngram_match
             est = self.ngram_estimate(n)
             if est.seen >= MIN_OBSERVATIONS:
-                g, tps = best_gamma(self.costs, est.mean, 0.0, min(available, room, self.max_gamma))
-                if g and tps > choice.tokens_per_second:
+                g, tps = best_gamma(self.costs, est.lower(CAUTION), 0.0, min(available, room, self.max_gamma))
+                if g and tps > max(bar, choice.tokens_per_second):
                     choice = Choice("ngram", g, tps)
         if has_model and room > 0 and self.costs.draft_step is not None:
-            g, tps = best_gamma(self.costs, self.model.mean, self.costs.draft_step, min(room, self.max_gamma))
-            if g and tps > choice.tokens_per_second:
+            g, tps = best_gamma(self.costs, self.model.lower(CAUTION), self.costs.draft_step,
+                                min(room, self.max_gamma))
+            if g and tps > max(bar, choice.tokens_per_second):
                 choice = Choice("model", g, tps)
         self.decisions[choice.drafter] = self.decisions.get(choice.drafter, 0) + 1
         return choice

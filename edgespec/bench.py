@@ -329,7 +329,7 @@ class RssSampler:
 
 def memory_bench(args, items) -> int:
     """Each configuration that fits the budget, run in its own process: tokens/s, acceptance,
-    peak RSS (sampled by psutil and the kernel's own ru_maxrss) beside the estimate."""
+    peak RSS (sampled by psutil, and the kernel's high-water mark VmHWM) beside the estimate."""
     import subprocess
     import tempfile
 

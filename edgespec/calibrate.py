@@ -1,8 +1,8 @@
 """Measure, once per model and setting, what a verifying pass costs on this device.
 
 The result is cached as JSON under ~/.cache/edgespec/calibration/, keyed by everything that
-changes the figures: the model files (path, size, mtime), GPU layers, threads, context size,
-flash attention and the llama-cpp-python version. `python -m edgespec calibrate` redoes it.
+changes the figures: the model files (path, size, mtime), GPU layers, threads, flash attention
+and the llama-cpp-python version. `python -m edgespec calibrate` redoes it.
 """
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ FILLER = "The quick brown fox jumps over the lazy dog while the compiler checks 
 
 def _model_key(backend) -> dict:
     st = os.stat(backend.path)
-    return {"path": str(os.path.abspath(backend.path)), "size": st.st_size, "mtime": st.st_mtime_ns,
-            **backend.settings}
+    # n_ctx is left out: it barely moves the cost of a pass, and recalibrating for every
+    # context size would cost a user 20 s each time
+    settings = {k: v for k, v in backend.settings.items() if k != "n_ctx"}
+    return {"path": str(os.path.abspath(backend.path)), "size": st.st_size, "mtime": st.st_mtime_ns, **settings}
 
 
 def calibration_key(target, draft=None, max_rows: int = MAX_ROWS) -> dict:
@@ -59,7 +61,8 @@ def _row_overhead(n_vocab: int) -> float:
 
 def measure(target, draft=None, *, max_rows: int = MAX_ROWS, reps: int = 2, progress=None) -> Costs:
     """Time target passes returning logits for k = 1..max_rows rows, and one draft step."""
-    filler = target.tokenize(FILLER * 8, add_bos=True)[:64]
+    max_rows = max(1, min(max_rows, target.n_ctx // 2))
+    filler = target.tokenize(FILLER * 8, add_bos=True)[:min(64, target.n_ctx - max_rows)]
     batch = (target.tokenize(FILLER * 8, add_bos=False) * 2)[:max_rows]
     target.reset()
     target.eval(filler, [])
@@ -93,11 +96,10 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, reps: int = 2, prog
 
 
 def _progress(k: int, n: int) -> None:
+    # a progress line for people; scripts reading stderr get only what they asked for
     if sys.stderr.isatty():
         print(f"\rcalibrating on this device (once per model and setting): target pass {k}/{n}",
               end="" if k < n else "\n", file=sys.stderr, flush=True)
-    elif k == 1:
-        print("calibrating on this device (once per model and setting)...", file=sys.stderr, flush=True)
 
 
 def load_or_measure(target, draft=None, *, force: bool = False, quiet: bool = False) -> Costs:

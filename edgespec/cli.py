@@ -128,10 +128,9 @@ def cmd_run(args) -> int:
                 sys.stdout.flush()
         stats = engine.last_stats
         if args.json:
-            import resource  # ru_maxrss: the kernel's own record of this process's peak RSS, in KiB on Linux
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+            from .memory import peak_rss
             print(json.dumps({"text": "".join(parts), "tokens": tokens, "stats": stats.as_dict(),
-                              "peak_rss_bytes": peak}))
+                              "peak_rss_bytes": peak_rss()}))
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()

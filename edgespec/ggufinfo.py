@@ -115,6 +115,8 @@ class _Header:
             vtype = self._unpack("<I")
             is_array = vtype == 9
             keep = not is_array or key in wanted_arrays or not key.startswith("tokenizer.")
+            if is_array and not keep:  # record only how long it is (merges count for memory.py)
+                fields[key + ".count"] = struct.unpack_from("<Q", self.buf, self.off + 4)[0]
             fields[key] = self._value(vtype, keep)
         tensors = []
         for _ in range(n_tensors):

@@ -8,7 +8,7 @@ The parts, as llama.cpp allocates them on a CPU (figures checked against its own
 - activations: llama.cpp reserves a compute buffer for the worst case (all logits of a
   512-token micro-batch), but edgespec asks for logits on a few rows only, so what becomes
   resident is the activations of a prompt micro-batch: ~2.7 x n_ubatch x (n_ff + n_embd) f32;
-- vocabulary tables, in llama.cpp and in Python: ~440 bytes per token;
+- vocabulary tables, in llama.cpp and in Python: ~270 bytes per token and ~170 per BPE merge;
 - the Python process itself (interpreter, numpy, llama-cpp-python): 71 MiB;
 - the n-gram index (a dict entry per n-gram length per context token).
 GPU-offloaded layers live in device memory, not in the process's RSS.
@@ -21,11 +21,13 @@ from dataclasses import asdict, dataclass
 from .errors import UsageError
 
 MiB = 2**20
-# The last three constants were fitted to whole-process peak RSS of SmolLM2-135M (n_ctx 2048) and
-# Qwen2.5-Coder 0.5B (8192) / 1.5B (2048) with a 750-token prompt; Qwen 1.5B at 8192 and
-# gemma-3-270m are the out-of-sample checks (README, "Memory").
+# Fitted to whole-process peak RSS of SmolLM2-135M (n_ctx 2048) and Qwen2.5-Coder 0.5B (8192) /
+# 1.5B (2048) with a 750-token prompt; Qwen 1.5B at 8192 is an out-of-sample check. Those three
+# vocabularies are all BPE (a merge per token), so they fix only the sum 440 B per token; its split
+# into tokens and merges was set from gemma-3-270m (SentencePiece, no merges) - README, "Memory".
 RUNTIME_BASE = 71 * MiB
-VOCAB_BYTES_PER_TOKEN = 440
+VOCAB_BYTES_PER_TOKEN = 270
+VOCAB_BYTES_PER_MERGE = 170
 ACTIVATION_FACTOR = 2.7
 NGRAM_BYTES_PER_TOKEN = 8 * 160  # N_MAX dict entries of a short tuple key each
 REPACKED_TYPES = {"Q4_0", "Q4_K", "IQ4_NL"}
@@ -75,8 +77,9 @@ def estimate_model(info, n_ctx: int, *, n_ubatch: int = N_UBATCH, gpu_layers: in
     n_ff = int(_arch(info, "feed_forward_length", 4 * n_embd) or 4 * n_embd)
     ub = min(n_ubatch, n_ctx)
     activations = int(ACTIVATION_FACTOR * ub * (n_ff + n_embd) * 4)
-    return ModelEstimate(weights, repacked, kv, activations, VOCAB_BYTES_PER_TOKEN * info.n_vocab,
-                         rows * info.n_vocab * 4)
+    merges = int(info.fields.get("tokenizer.ggml.merges.count", 0))
+    vocab = VOCAB_BYTES_PER_TOKEN * info.n_vocab + VOCAB_BYTES_PER_MERGE * merges
+    return ModelEstimate(weights, repacked, kv, activations, vocab, rows * info.n_vocab * 4)
 
 
 def estimate_process(target_info, draft_info=None, *, n_ctx: int, drafter: str = "none",
@@ -152,3 +155,21 @@ def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "aut
     return {"budget_bytes": budget, "configs": configs,
             "choice": ({k: v for k, v in choice.items() if k != "parts"} | {"reason": reason}) if choice else
             {"reason": f"nothing fits in {budget / 2**30:.2f} GiB, not even plain decoding at n_ctx {ctxs[-1]}"}}
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory, in bytes.
+
+    Linux: VmHWM, the high-water mark of this process image. (ru_maxrss is not used there: it
+    survives exec, so a child started from a large parent reports the parent's peak.)"""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

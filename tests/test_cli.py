@@ -99,11 +99,11 @@ def test_empty_prompt_and_unreadable_prompt_file(smol, tmp_path, capsys):
 
 
 def test_json_output(smol, smol_draft, capsys):
-    code, out, err = run_cli(["run", "--target", str(smol), "--draft", str(smol_draft), "--prompt",
-                              "Name three colours.", "--max-tokens", "12", "--json"], capsys)
+    code, out, err = run_cli(["run", "--target", str(smol), "--draft", str(smol_draft), "--drafter", "model",
+                              "--prompt", "Name three colours.", "--max-tokens", "12", "--json"], capsys)
     assert code == 0, err
     obj = json.loads(out)
-    assert set(obj) == {"text", "tokens", "stats"}
+    assert set(obj) == {"text", "tokens", "stats", "peak_rss_bytes"}
     assert len(obj["tokens"]) == obj["stats"]["generated"] <= 12
     assert obj["stats"]["drafter"] == "model"
 

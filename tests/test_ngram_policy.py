@@ -142,6 +142,9 @@ def test_calibration_is_cached_and_invalidated_when_model_or_settings_change(tmp
     c1 = calibrate.load_or_measure(fb, quiet=True)
     c2 = calibrate.load_or_measure(fb, quiet=True)
     assert len(calls) == 1 and c1 == c2 and len(c1.verify) == 4
+    fb.settings = {"n_ctx": 1024}                         # the context size alone: same figures
+    calibrate.load_or_measure(fb, quiet=True)
+    assert len(calls) == 1
     fb.settings = {"n_ctx": 512, "threads": 7}            # another setting: measure again
     calibrate.load_or_measure(fb, quiet=True)
     assert len(calls) == 2

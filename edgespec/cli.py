@@ -254,7 +254,7 @@ def _setup_plan(sub) -> None:
     p.set_defaults(func=cmd_doctor)
 
 
-def _gpu_layers(n: int, info) -> int:
+def _gpu_layers(n: int) -> int:
     from .backend import gpu_offload_supported
     if not gpu_offload_supported() or n == 0:
         return 0
@@ -277,7 +277,7 @@ def cmd_plan(args) -> int:
     d_path = args.draft or pair_draft
     d = read_info(d_path) if d_path else None
     result = plan(t, d, n_ctx=args.ctx, drafter=args.drafter, budget=budget,
-                  gpu_layers=_gpu_layers(args.n_gpu_layers, t), draft_gpu_layers=_gpu_layers(args.draft_n_gpu_layers, d))
+                  gpu_layers=_gpu_layers(args.n_gpu_layers), draft_gpu_layers=_gpu_layers(args.draft_n_gpu_layers))
     if args.json:
         for c in result["configs"]:
             c.pop("parts")

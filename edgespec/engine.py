@@ -115,7 +115,6 @@ class Engine:
         self.gamma = gamma
         self.n_vocab = n_vocab or target.n_vocab
         self.last_stats: GenerationStats | None = None
-        self._chat_prompt: str | None = None  # the rendered chat prompt being tokenized, if any
         if (drafter is not None or ngram is not None) and not target.can_truncate:
             if drafter is not None:
                 drafter.close()
@@ -205,25 +204,15 @@ class Engine:
             parts.append(ev.text)
         return GenerationResult(text="".join(parts), tokens=tokens, stats=self.last_stats)
 
-    def stream(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-               stop: Sequence[str] = ()) -> Iterator[StreamEvent]:
+    def stream(self, prompt: str, **kwargs) -> Iterator[StreamEvent]:
         """Yield tokens as they are committed, with the text each makes printable.
 
-        The prompt is tokenized verbatim (BOS added, special tokens parsed). Generation ends
-        at an end-of-generation token, after `max_tokens`, or at a stop string (not included).
-        Statistics of the finished request are in `engine.last_stats`.
+        The prompt is tokenized verbatim (BOS added, special tokens parsed). Keyword arguments:
+        max_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop=().
+        Generation ends at an end-of-generation token, after `max_tokens`, or at a stop string
+        (not included). Statistics of the finished request are in `engine.last_stats`.
         """
-        params = SamplingParams(temperature, top_k, top_p, min_p)
-        if not (isinstance(max_tokens, int) and max_tokens >= 1):
-            raise UsageError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        if isinstance(stop, str):
-            stop = (stop,)
-        stop = tuple(s for s in stop if s)
-        prompt_tokens = self.target.tokenize(prompt, add_bos=True, special=True)
-        if prompt is self._chat_prompt and len(prompt_tokens) > 1 and prompt_tokens[0] == prompt_tokens[1] == self.target.bos:
-            prompt_tokens = prompt_tokens[1:]  # the template wrote BOS and the tokenizer added one
-        return self._stream_tokens(prompt_tokens, max_tokens, params, seed, stop)
+        return self._stream_prompt(self.target.tokenize(prompt, add_bos=True, special=True), **kwargs)
 
     def format_chat(self, messages) -> str:
         """The target's chat template applied to `messages` (list of {'role', 'content'})."""
@@ -234,15 +223,23 @@ class Engine:
 
     def stream_chat(self, messages, **kwargs) -> Iterator[StreamEvent]:
         """`stream` for a conversation, through the target's chat template."""
-        self._chat_prompt = prompt = self.format_chat(messages)
-        try:
-            return self.stream(prompt, **kwargs)
-        finally:
-            self._chat_prompt = None
+        tokens = self.target.tokenize(self.format_chat(messages), add_bos=True, special=True)
+        if len(tokens) > 1 and tokens[0] == tokens[1] == self.target.bos:
+            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
+        return self._stream_prompt(tokens, **kwargs)
 
     def chat(self, messages, **kwargs) -> GenerationResult:
         """`generate` for a conversation, through the target's chat template."""
         return self._collect(self.stream_chat(messages, **kwargs))
+
+    def _stream_prompt(self, prompt_tokens: list[int], max_tokens: int = 128, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                       stop: Sequence[str] = ()) -> Iterator[StreamEvent]:
+        params = SamplingParams(temperature, top_k, top_p, min_p)
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise UsageError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        stop = tuple(s for s in ((stop,) if isinstance(stop, str) else stop) if s)
+        return self._stream_tokens(prompt_tokens, max_tokens, params, seed, stop)
 
     def _stream_tokens(self, prompt_tokens, max_tokens, params, seed, stop):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

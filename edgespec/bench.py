@@ -333,14 +333,13 @@ def memory_bench(args, items) -> int:
     import subprocess
     import tempfile
 
+    from .cli import target_name
     from .ggufinfo import read_info
     from .hub import resolve
     from .memory import parse_size, plan
-    from .registry import load_registry
 
     budget = parse_size(args.memory_budget)
-    target, pair_draft = resolve(args.target or args.pair or load_registry(args.models).default,
-                                 models_file=args.models)
+    target, pair_draft = resolve(target_name(args), models_file=args.models)
     draft = args.draft or pair_draft
     result = plan(read_info(target), read_info(draft) if draft else None, n_ctx=args.ctx, budget=budget)
     configs = [c for c in result["configs"] if c["fits"] and c["n_ctx"] == args.ctx]

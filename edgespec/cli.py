@@ -58,15 +58,19 @@ def _sampling_kwargs(args) -> dict:
                 top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
 
 
-def load_engine(args):
-    from .engine import DRAFTER_MODES, Engine
+def target_name(args) -> str:
+    """The target the user named: --target PATH, a pair name, or the models file's default pair."""
     from .registry import load_registry
-    if args.drafter not in DRAFTER_MODES:
-        raise UsageError(f"unknown drafter {args.drafter!r}; choose one of {', '.join(DRAFTER_MODES)}")
     if args.target and args.pair:
         raise UsageError("give either a pair name or --target PATH, not both")
-    target = args.target or args.pair or load_registry(args.models).default
-    return Engine.load(target, draft=args.draft, drafter=args.drafter, n_gpu_layers=args.n_gpu_layers,
+    return args.target or args.pair or load_registry(args.models).default
+
+
+def load_engine(args):
+    from .engine import DRAFTER_MODES, Engine
+    if args.drafter not in DRAFTER_MODES:
+        raise UsageError(f"unknown drafter {args.drafter!r}; choose one of {', '.join(DRAFTER_MODES)}")
+    return Engine.load(target_name(args), draft=args.draft, drafter=args.drafter, n_gpu_layers=args.n_gpu_layers,
                        draft_n_gpu_layers=args.draft_n_gpu_layers, n_ctx=args.ctx, threads=args.threads,
                        gamma=args.gamma, verbose=args.verbose, models_file=args.models,
                        memory_budget=args.memory_budget)
@@ -265,14 +269,10 @@ def cmd_plan(args) -> int:
     from .ggufinfo import read_info
     from .hub import resolve
     from .memory import parse_size, plan
-    from .registry import load_registry
     if args.drafter not in ("auto", "model", "ngram", "none"):
         raise UsageError(f"unknown drafter {args.drafter!r}; choose one of auto, model, ngram, none")
     budget = parse_size(args.memory_budget) if args.memory_budget else None
-    if args.target and args.pair:
-        raise UsageError("give either a pair name or --target PATH, not both")
-    target, pair_draft = resolve(args.target or args.pair or load_registry(args.models).default,
-                                 models_file=args.models, download=False)
+    target, pair_draft = resolve(target_name(args), models_file=args.models, download=False)
     t = read_info(target)
     d_path = args.draft or pair_draft
     d = read_info(d_path) if d_path else None
@@ -353,11 +353,7 @@ def _setup_calibrate(sub) -> None:
 def cmd_calibrate(args) -> int:
     from .calibrate import load_or_measure
     from .hub import resolve
-    from .registry import load_registry
-    if args.target and args.pair:
-        raise UsageError("give either a pair name or --target PATH, not both")
-    _, pair_draft = resolve(args.target or args.pair or load_registry(args.models).default,
-                            models_file=args.models)
+    _, pair_draft = resolve(target_name(args), models_file=args.models)
     args.drafter = "model" if (args.draft or pair_draft) else "none"
     with load_engine(args) as eng:
         costs = load_or_measure(eng.target, eng.drafter.backend if eng.drafter else None, force=True)

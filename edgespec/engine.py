@@ -363,10 +363,7 @@ class Engine:
             stats.drafted += len(drafts)
             stats.accepted += n
             stats.accept_histogram[n] += 1
-            d = stats.by_drafter.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})
-            d["rounds"] += 1
-            d["drafted"] += len(drafts)
-            d["accepted"] += n
-        else:
-            d = stats.by_drafter.setdefault("none", {"rounds": 0, "drafted": 0, "accepted": 0})
-            d["rounds"] += 1
+        d = stats.by_drafter.setdefault(name if drafts else "none", {"rounds": 0, "drafted": 0, "accepted": 0})
+        d["rounds"] += 1
+        d["drafted"] += len(drafts)
+        d["accepted"] += n

@@ -41,3 +41,7 @@ class BackendError(EdgespecError):
     """llama.cpp refused an operation (decode failure, context full)."""
 
     exit_code = 1
+
+
+class ChecksumError(DownloadError):
+    """A downloaded file did not match its sha256; nothing of it was kept."""

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import DownloadError, ModelFileError, UsageError
+from .errors import ChecksumError, DownloadError, ModelFileError, UsageError
 from .registry import ModelSpec, load_registry
 
 
@@ -108,7 +108,7 @@ def _from_hub(spec: ModelSpec, quiet: bool) -> Path:
             print(f"{spec.file}: verifying sha256", file=sys.stderr, flush=True)
         if sha256_file(path) != spec.sha256.lower():
             _delete_hub_file(path)
-            raise DownloadError(f"{spec.file} from {hf_endpoint()} failed its sha256 check (expected "
+            raise ChecksumError(f"{spec.file} from {hf_endpoint()} failed its sha256 check (expected "
                                 f"{spec.sha256}); the download was deleted, nothing was kept")
     return path
 
@@ -125,11 +125,9 @@ def pull(spec: ModelSpec, *, quiet: bool = False) -> Path:
     if _hub_reachable():
         try:
             return _from_hub(spec, quiet)
-        except UsageError:
-            raise
+        except (UsageError, ChecksumError):
+            raise  # a full disk or a corrupt transfer is not a reason to try a mirror
         except DownloadError as exc:
-            if "sha256" in str(exc):
-                raise
             reasons.append(str(exc))
         except (OSError, ValueError) as exc:  # connection dropped for good, consistency check
             reasons.append(f"{hf_endpoint()}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")

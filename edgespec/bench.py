@@ -5,6 +5,9 @@ decoding and of speculative decoding, checks that the two produced the same toke
 reports per kind: tokens/s, acceptance and the ratio to plain. With --acceptance it also
 measures, at temperature 1, exact speculative sampling's acceptance against "sample from p
 and compare with the draft's argmax" (what llama.cpp's server and llama-cpp-python do).
+With a calibrated target it also reports, per prompt, the prompt-lookup ceiling: the
+speed-up that the n-gram drafter would give if every round's draft length were chosen
+knowing the output in advance (costs from the calibration). No policy can beat it.
 Writes JSON and prints a table.
 """
 from __future__ import annotations
@@ -92,14 +95,52 @@ class ArgmaxDrafts:
         pass
 
 
+def copy_ceiling(costs, prompt: list[int], out: list[int]) -> float:
+    """Plain decoding's time over the hindsight-best n-gram schedule's, both in calibrated costs.
+
+    At each position the drafter's proposal and how much of it the output confirms are fixed
+    by the output; a dynamic programme over positions picks every round's draft length
+    (0 allowed) to minimise the total verification cost."""
+    from .drafters.ngram import NgramIndex
+    idx, toks, n_out = NgramIndex(), list(prompt), len(out)
+    if not n_out:
+        return 1.0
+    offers = []  # (continuation tokens available, how many of them the output confirms)
+    for pos in range(n_out):
+        _, cont = idx.lookup(toks, costs.max_rows - 1)
+        ok = 0
+        while ok < len(cont) and pos + ok < n_out and cont[ok] == out[pos + ok]:
+            ok += 1
+        offers.append((len(cont), ok))
+        toks.append(out[pos])
+    best = [0.0] * (n_out + 1)  # best[pos]: least time to produce out[pos:]
+    for pos in range(n_out - 1, -1, -1):
+        avail, ok = offers[pos]
+        best[pos] = min(costs.verify_cost(g + 1) + best[min(n_out, pos + min(g, ok) + 1)]
+                        for g in range(avail + 1))
+    return n_out * costs.verify_cost(1) / best[0]
+
+
 def _run(engine, prompt_tokens, n, params, seed=None):
     # from an empty cache every time: a reused prompt prefix would change the last bits of
     # the KV values, and so, at near-ties, which token greedy decoding picks
     engine.target.reset()
+    if engine.policy is not None:
+        # every run starts from the priors: trials of one prompt must not learn from each other
+        engine.policy.reset()
     if getattr(engine.drafter, "backend", None) is not None:
         engine.drafter.backend.reset()
     toks = [t for t, _ in engine.generate_tokens(prompt_tokens, n, params, seed)]
     return toks, engine.last_stats
+
+
+def _timed_run(runner, prompt_tokens, n, params):
+    """(tokens, decode tokens/s, stats or None) for an edgespec engine or the lookup peer."""
+    if isinstance(runner, LookupPeer):
+        out, speed = runner.run(prompt_tokens, n)
+        return out, speed, None
+    out, st = _run(runner, prompt_tokens, n, params)
+    return out, st.tokens_per_second, st
 
 
 class LookupPeer:
@@ -174,35 +215,40 @@ def main(args) -> int:
     with spec:
         prompts = [spec.target.tokenize(spec.format_chat([{"role": "user", "content": it["prompt"]}]))
                    for it in items]
-        for eng in [plain, *engines.values()]:  # warm-up: page in weights, build kernels
-            _run(eng, prompts[0], 8, greedy)
+        for eng in [plain, *engines.values(), *([peer] if peer else [])]:  # warm-up: page in, build kernels
+            _timed_run(eng, prompts[0], 8, greedy)
         t_start = time.perf_counter()
         for i, (it, ptoks) in enumerate(zip(items, prompts), 1):
             row = {"id": it["id"], "kind": it["kind"], "prompt_tokens": len(ptoks), "modes": {}}
-            tps = {"plain": []}
-            for _ in range(args.trials):
-                ref, s0 = _run(plain, ptoks, args.bench_tokens, greedy)
-                tps["plain"].append(s0.tokens_per_second)
-                for name, eng in engines.items():
-                    out, s1 = _run(eng, ptoks, args.bench_tokens, greedy)
-                    tps.setdefault(name, []).append(s1.tokens_per_second)
+            runners = [("plain", plain), *engines.items()] + ([("lookup-peer", peer)] if peer else [])
+            tps: dict[str, list[float]] = {name: [] for name, _ in runners}
+            for t in range(args.trials):
+                # rotate the order every trial, so that no mode always runs first or last
+                k = t % len(runners)
+                results = {name: _timed_run(eng, ptoks, args.bench_tokens, greedy)
+                           for name, eng in runners[k:] + runners[:k]}
+                ref = results["plain"][0]
+                if spec.policy is not None:
+                    row["ngram_ceiling"] = copy_ceiling(spec.policy.costs, ptoks, ref)
+                for name, (out, speed, st) in results.items():
+                    tps[name].append(speed)
+                    if name == "plain":
+                        continue
                     parted = next((j for j, (a, c) in enumerate(zip(out, ref)) if a != c),
                                   None if len(out) == len(ref) else min(len(out), len(ref)))
-                    row["modes"][name] = dict(identical=parted is None, first_divergence=parted,
-                                              generated=len(out), drafted=s1.drafted, accepted=s1.accepted,
-                                              acceptance=s1.acceptance_rate, by_drafter=s1.by_drafter,
-                                              accept_histogram=s1.accept_histogram,
-                                              target_forwards=s1.target_forwards)
-                if peer:
-                    out, peer_tps = peer.run(ptoks, args.bench_tokens)
-                    tps.setdefault("lookup-peer", []).append(peer_tps)
-                    row["modes"]["lookup-peer"] = dict(identical=out == ref, generated=len(out))
+                    m = row["modes"][name] = dict(identical=parted is None, first_divergence=parted,
+                                                  generated=len(out))
+                    if st is not None:
+                        m.update(drafted=st.drafted, accepted=st.accepted, acceptance=st.acceptance_rate,
+                                 by_drafter=st.by_drafter, accept_histogram=st.accept_histogram,
+                                 target_forwards=st.target_forwards)
             row["plain_tps"] = statistics.median(tps["plain"])
             for name, vals in tps.items():
                 if name != "plain":
                     m = row["modes"][name]
                     m["tps"] = statistics.median(vals)
-                    m["ratio"] = m["tps"] / row["plain_tps"] if row["plain_tps"] else 0.0
+                    # paired: each trial's ratio to the plain run beside it, then the median
+                    m["ratio"] = statistics.median(v / p for v, p in zip(vals, tps["plain"]) if p > 0)
             if args.acceptance and spec.drafter is not None:
                 t1 = SamplingParams(1.0)
                 model = Engine(spec.target, spec.drafter, gamma=spec.gamma)
@@ -245,11 +291,13 @@ def summarize(rows: list[dict]) -> dict:
         d = {"prompts": len(rs), "plain_tps": plain, "modes": {}}
         for name in rs[0]["modes"]:
             ms = [r["modes"][name] for r in rs]
-            tps = statistics.mean(m["tps"] for m in ms)
             d["modes"][name] = {
-                "tps": tps, "ratio": tps / plain if plain else 0.0,
+                "tps": statistics.mean(m["tps"] for m in ms),
+                "ratio": statistics.mean(m["ratio"] for m in ms),  # of the per-prompt paired ratios
                 "acceptance": (sum(m.get("accepted", 0) for m in ms) / max(1, sum(m.get("drafted", 0) for m in ms))),
                 "identical": f"{sum(m['identical'] for m in ms)}/{len(ms)}"}
+        if "ngram_ceiling" in rs[0]:
+            d["ngram_ceiling"] = statistics.mean(r["ngram_ceiling"] for r in rs)
         if "t1_exact_acceptance" in rs[0]:
             d["t1_exact_acceptance"] = statistics.mean(r["t1_exact_acceptance"] for r in rs)
             d["t1_argmax_acceptance"] = statistics.mean(r["t1_argmax_acceptance"] for r in rs)
@@ -265,6 +313,10 @@ def format_table(summary: dict) -> str:
             acc = f"{m['acceptance']:.2f}" if name != "lookup-peer" else "-"
             lines.append(f"| {kind} | {name} | {m['tps']:.1f} | {d['plain_tps']:.1f} | {m['ratio']:.2f}x | "
                          f"{acc} | {m['identical']} |")
+    if any("ngram_ceiling" in d for d in summary.values()):
+        lines += ["", "| kind | prompt-lookup ceiling: hindsight-best draft lengths, calibrated costs |", "|---|---|"]
+        for kind, d in summary.items():
+            lines.append(f"| {kind} | {d['ngram_ceiling']:.2f}x |")
     if any("t1_exact_acceptance" in d for d in summary.values()):
         lines += ["", "| kind | T=1 acceptance, exact min(1, p/q) | T=1 acceptance, argmax match |", "|---|---|---|"]
         for kind, d in summary.items():

@@ -356,7 +356,7 @@ class Engine:
         if self.policy is not None:
             if self.ngram is not None and (seen := self.ngram.outcome(tokens)) is not None:
                 # scored whether or not it drafted this round: lookups cost nothing
-                self.policy.ngram_estimate(seen[0]).update(seen[1], seen[2])
+                self.policy.ngram.update(*seen)
             if name == "model":
                 self.policy.model.update(n, len(drafts))
         if drafts:

@@ -123,3 +123,33 @@ def test_help_explains_the_flags(capsys):
     assert code == 0
     for flag in ("--draft", "--drafter", "--temperature", "--top-p", "--min-p", "--raw", "--json", "--ctx"):
         assert flag in out
+
+
+def test_bench_measures_modes_beside_plain_decoding_in_one_run(smol, smol_draft, tmp_path, capsys):
+    code_text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+    work = tmp_path / "w.jsonl"
+    work.write_text("\n".join(json.dumps(x) for x in [
+        {"id": "e1", "kind": "edit", "prompt": "Rename add to plus and return the code only.\n\n" + code_text},
+        {"id": "c1", "kind": "chat", "prompt": "What is a mutex? One sentence."}]) + "\n")
+    out = tmp_path / "b.json"
+    code, stdout, err = run_cli(["bench", "--target", str(smol), "--draft", str(smol_draft), "--workloads",
+                                 str(work), "--bench-tokens", "20", "--trials", "2",
+                                 "--modes", "auto,ngram,lookup-peer", "--out", str(out)], capsys)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert [r["id"] for r in report["rows"]] == ["e1", "c1"] and report["trials"] == 2
+    for r in report["rows"]:
+        assert r["plain_tps"] > 0 and r["ngram_ceiling"] >= 1.0
+        assert set(r["modes"]) == {"auto", "ngram", "lookup-peer"}
+        for m in r["modes"].values():
+            assert m["tps"] > 0 and m["ratio"] > 0 and isinstance(m["identical"], bool)
+        assert r["modes"]["auto"]["generated"] == r["modes"]["ngram"]["generated"] <= 20
+    assert set(report["by_kind"]) == {"edit", "chat"}
+    assert "| edit | auto |" in stdout and "prompt-lookup ceiling" in stdout
+
+
+def test_bench_bad_arguments(smol, capsys):
+    code, _, err = run_cli(["bench", "--target", str(smol), "--modes", "auto,warp"], capsys)
+    assert_usage_error(code, err, "unknown bench mode", "warp")
+    code, _, err = run_cli(["bench", "--target", str(smol), "--trials", "0"], capsys)
+    assert_usage_error(code, err, "--trials")

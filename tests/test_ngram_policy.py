@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from edgespec import calibrate
-from edgespec.drafters.ngram import NgramDrafter, NgramIndex
+from edgespec.drafters.ngram import RUN_MAX, NgramDrafter, NgramIndex, run_length
 from edgespec.engine import Engine
-from edgespec.policy import Acceptance, Costs, Policy, best_gamma, expected_tokens
+from edgespec.policy import (MIN_OBSERVATIONS, Acceptance, CopyAcceptance, Costs, Policy, best_gamma,
+                             best_length, expected_tokens)
 from edgespec.sampling import SamplingParams
 
 from fakes import FakeBackend
@@ -68,6 +69,53 @@ def test_outcome_scores_the_last_proposal_against_committed_tokens():
     assert d.outcome(toks) is None  # consumed
 
 
+def test_run_length_extends_the_match_backwards_past_the_index_and_is_capped():
+    passage = list(range(100, 120))
+    toks = [1] + passage + [7, 8] + passage[:15]
+    d = NgramDrafter()
+    d.begin(toks)
+    run, cont = d.lookup(toks, 4)
+    assert run == 15 and cont == passage[15:19]  # the index matched 8; the copy is 15 long
+    toks = list(range(200)) + [5] + list(range(200))
+    assert run_length(toks, 199, 8) == RUN_MAX
+    assert run_length([3, 1, 2, 9, 1, 2], 2, 2) == 2  # 3 != 9: stops
+
+
+def test_copy_acceptance_counts_each_drafted_token_at_its_own_run_length():
+    c = CopyAcceptance()
+    c.update(run=3, matched=2, compared=10)  # tokens at runs 3, 4 hit; run 5 missed; the rest never at stake
+    seen = [b.seen for b in c.buckets]
+    assert seen[c.bucket(3)] == 1 and seen[c.bucket(4)] == 2 and sum(seen) == 3
+    b4 = c.buckets[c.bucket(4)]
+    assert b4.hits == pytest.approx(b4.decay)  # run 4 hit, then run 5 (same bucket) missed
+    assert c.bucket(1) == 0 and c.bucket(64) == len(c.buckets) - 1
+
+
+def test_survival_grows_with_the_run_and_longer_runs_inherit_evidence():
+    c = CopyAcceptance()
+    for _ in range(20):
+        c.update(run=8, matched=4, compared=4)  # runs 8..11: always copied
+    s_long, s_short = c.survival(8, 8), c.survival(1, 8)
+    assert all(a > b for a, b in zip(s_long, s_short))
+    assert all(x >= y for x, y in zip(s_long, s_long[1:]))  # a probability of "all of the first j"
+    rate = c.buckets[c.bucket(8)].lower(0.0)
+    assert c.survival(40, 1)[0] >= rate  # a 40-token run is at least as reliable as an 8-token one
+
+
+def test_policy_drafts_long_copies_and_not_single_token_matches_on_this_cpus_curve():
+    # this project's CPU: 16 rows cost 7x one step
+    verify = [0.033, 0.058, 0.076, 0.092, 0.114, 0.138, 0.155, 0.21, 0.227, 0.247, 0.258, 0.267,
+              0.28, 0.293, 0.309, 0.25] + [0.25 + 0.015 * k for k in range(1, 17)]
+    p = Policy(Costs(tuple(verify)))
+    for _ in range(30):
+        p.ngram.update(1, 0, 1)      # one-token matches: rarely continued
+        p.ngram.update(20, 12, 12)   # long copies: continued
+    assert p.choose((1, 32), has_model=False, room=32).drafter == "none"
+    c = p.choose((24, 32), has_model=False, room=32)
+    assert c.drafter == "ngram" and c.gamma >= 15
+    assert best_length(Costs(tuple(verify)), [1.0] * 31)[0] in (15, 31)  # certain copies: a cheap long pass
+
+
 def test_expected_tokens_formula():
     assert expected_tokens(0.0, 5) == 1
     assert expected_tokens(1.0, 5) == 6
@@ -79,8 +127,8 @@ def test_policy_drafts_nothing_when_verifying_costs_as_much_as_decoding():
     costs = Costs(verify=tuple(0.035 * k for k in range(1, 33)), draft_step=0.02)
     assert best_gamma(costs, 0.99, 0.0, 32)[0] == 0
     p = Policy(costs, model=Acceptance(prior=0.95, weight=1000))
-    est = p.ngram_estimate(4)
-    est.update(40, 40)
+    for _ in range(10):
+        p.ngram.update(40, 30, 30)
     assert p.choose((4, 30), has_model=True, room=32).drafter == "none"
 
 
@@ -88,7 +136,8 @@ def test_policy_drafts_long_when_verifying_is_cheap():
     # a GPU-like curve: k rows cost about one step
     costs = Costs(verify=tuple(0.035 + 0.001 * k for k in range(1, 33)), draft_step=0.002)
     p = Policy(costs)
-    p.ngram_estimate(6).update(60, 60)
+    for _ in range(MIN_OBSERVATIONS):
+        p.ngram.update(6, 30, 30)
     c = p.choose((6, 32), has_model=False, room=32)
     assert c.drafter == "ngram" and c.gamma >= 16
     p2 = Policy(costs, model=Acceptance(prior=0.8, weight=1000))
@@ -155,3 +204,15 @@ def test_calibration_is_cached_and_invalidated_when_model_or_settings_change(tmp
     assert len(calls) == 4
     files = list((tmp_path / "cache" / "calibration").glob("*.json"))
     assert len(files) == 3 and all("verify" in json.loads(f.read_text()) for f in files)
+
+
+def test_copy_ceiling_is_the_hindsight_best_schedule():
+    from edgespec.bench import copy_ceiling
+    prompt = list(range(1, 31)) + [1, 2, 3]
+    out = list(range(4, 21))  # a 17-token copy of the prompt
+    free_rows = Costs(verify=(0.03,) * 32)
+    assert copy_ceiling(free_rows, prompt, out) == pytest.approx(17.0)  # one pass does it all
+    linear = Costs(verify=tuple(0.03 * k for k in range(1, 33)))
+    assert copy_ceiling(linear, prompt, out) == pytest.approx(1.0)      # drafting never pays
+    novel = [99, 98, 97, 96]
+    assert copy_ceiling(free_rows, prompt, novel) == pytest.approx(1.0)  # nothing to copy

@@ -67,9 +67,8 @@ def target_name(args) -> str:
 
 
 def load_engine(args):
-    from .engine import DRAFTER_MODES, Engine
-    if args.drafter not in DRAFTER_MODES:
-        raise UsageError(f"unknown drafter {args.drafter!r}; choose one of {', '.join(DRAFTER_MODES)}")
+    from .engine import Engine, check_drafter
+    check_drafter(args.drafter)  # before a pair name can start a download
     return Engine.load(target_name(args), draft=args.draft, drafter=args.drafter, n_gpu_layers=args.n_gpu_layers,
                        draft_n_gpu_layers=args.draft_n_gpu_layers, n_ctx=args.ctx, threads=args.threads,
                        gamma=args.gamma, verbose=args.verbose, models_file=args.models,
@@ -110,6 +109,12 @@ def _read_prompt(args) -> str:
     return text
 
 
+def _echo(ev, show_drafts: bool) -> None:
+    """Write one event's text; with --show-drafts, text from accepted drafts in green."""
+    sys.stdout.write(f"\033[32m{ev.text}\033[0m" if show_drafts and ev.from_draft and ev.text else ev.text)
+    sys.stdout.flush()
+
+
 def cmd_run(args) -> int:
     kwargs = _sampling_kwargs(args)
     if args.prompt is None and not args.file and sys.stdin.isatty() and not args.raw and not args.json:
@@ -127,9 +132,7 @@ def cmd_run(args) -> int:
             tokens.append(ev.token)
             parts.append(ev.text)
             if not args.json:
-                sys.stdout.write(f"\033[32m{ev.text}\033[0m" if args.show_drafts and ev.from_draft and ev.text
-                                 else ev.text)
-                sys.stdout.flush()
+                _echo(ev, args.show_drafts)
         stats = engine.last_stats
         if args.json:
             from .memory import peak_rss
@@ -158,8 +161,7 @@ def _interactive(engine, args, kwargs) -> int:
         parts = []
         for ev in engine.stream_chat(messages, **kwargs):
             parts.append(ev.text)
-            sys.stdout.write(f"\033[32m{ev.text}\033[0m" if args.show_drafts and ev.from_draft else ev.text)
-            sys.stdout.flush()
+            _echo(ev, args.show_drafts)
         sys.stdout.write("\n")
         sys.stdout.flush()
         print(engine.last_stats.summary(), file=sys.stderr)
@@ -268,9 +270,9 @@ def _gpu_layers(n: int) -> int:
 def cmd_plan(args) -> int:
     from .ggufinfo import read_info
     from .hub import resolve
+    from .engine import check_drafter
     from .memory import parse_size, plan
-    if args.drafter not in ("auto", "model", "ngram", "none"):
-        raise UsageError(f"unknown drafter {args.drafter!r}; choose one of auto, model, ngram, none")
+    check_drafter(args.drafter)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     target, pair_draft = resolve(target_name(args), models_file=args.models, download=False)
     t = read_info(target)

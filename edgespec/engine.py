@@ -17,6 +17,11 @@ DRAFTER_MODES = ("auto", "model", "ngram", "none")
 DEFAULT_GAMMA = 4
 
 
+def check_drafter(mode: str) -> None:
+    if mode not in DRAFTER_MODES:
+        raise UsageError(f"unknown drafter {mode!r}; choose one of {', '.join(DRAFTER_MODES)}")
+
+
 @dataclass
 class GenerationStats:
     drafter: str
@@ -141,8 +146,7 @@ class Engine:
         from .ggufinfo import check_pair, read_info
         from .hub import resolve
 
-        if drafter not in DRAFTER_MODES:
-            raise UsageError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTER_MODES)}")
+        check_drafter(drafter)
         if not (isinstance(n_ctx, int) and n_ctx >= 16):
             raise UsageError(f"n_ctx must be an integer >= 16, got {n_ctx!r}")
         if not (isinstance(gamma, int) and 1 <= gamma <= 32):

@@ -79,7 +79,7 @@ class ArgmaxDrafts:
     accepts less than min(1, p/q) sampling at T > 0."""
 
     def __init__(self, inner):
-        self.inner, self.name = inner, "model-argmax"
+        self.inner, self.name, self.backend = inner, "model-argmax", inner.backend
 
     def begin(self, tokens):
         self.inner.begin(tokens)
@@ -122,14 +122,10 @@ def copy_ceiling(costs, prompt: list[int], out: list[int]) -> float:
 
 
 def _run(engine, prompt_tokens, n, params, seed=None):
-    # from an empty cache every time: a reused prompt prefix would change the last bits of
-    # the KV values, and so, at near-ties, which token greedy decoding picks
-    engine.target.reset()
-    if engine.policy is not None:
-        # every run starts from the priors: trials of one prompt must not learn from each other
-        engine.policy.reset()
-    if getattr(engine.drafter, "backend", None) is not None:
-        engine.drafter.backend.reset()
+    # from nothing every time: a reused prompt prefix would change the last bits of the KV
+    # values (and so, at near-ties, which token greedy decoding picks), and trials of one
+    # prompt must not learn from each other
+    engine.reset()
     toks = [t for t, _ in engine.generate_tokens(prompt_tokens, n, params, seed)]
     return toks, engine.last_stats
 
@@ -228,7 +224,7 @@ def main(args) -> int:
                 results = {name: _timed_run(eng, ptoks, args.bench_tokens, greedy)
                            for name, eng in runners[k:] + runners[:k]}
                 ref = results["plain"][0]
-                if spec.policy is not None:
+                if t == 0 and spec.policy is not None:  # greedy from nothing: the same ref every trial
                     row["ngram_ceiling"] = copy_ceiling(spec.policy.costs, ptoks, ref)
                 for name, (out, speed, st) in results.items():
                     tps[name].append(speed)
@@ -324,13 +320,21 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> Path | None:
-    """Tokens/s against n-gram draft length per kind (from --sweep), plain and auto as lines."""
+def _pyplot():
+    """matplotlib's pyplot drawing to files, or None when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """Tokens/s against n-gram draft length per kind (from --sweep), plain and auto as lines."""
+    plt = _pyplot()
+    if plt is None:
         return None
     by_kind = report["by_kind"]
     sweep = sorted({int(k[7:]) for d in by_kind.values() for k in d["modes"] if k.startswith("ngram-g")})
@@ -426,34 +430,30 @@ def memory_bench(args, items) -> int:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))
+    by_drafter = {}  # per configuration: its runs' mean speed and acceptance, highest peak
+    for r in rows:
+        by_drafter.setdefault(r["drafter"], []).append(r)
+    summary = [{"drafter": d, "n_ctx": rs[0]["n_ctx"], "estimate": rs[0]["estimated_bytes"],
+                "peak": max(r["peak_rss_bytes"] for r in rs),
+                "tps": statistics.mean(r["tokens_per_second"] for r in rs),
+                "acceptance": statistics.mean(r["acceptance"] for r in rs)} for d, rs in by_drafter.items()]
     print("| drafter | n_ctx | tok/s | acceptance | peak RSS (MiB) | estimate (MiB) | error |")
     print("|---|---|---|---|---|---|---|")
-    for d in dict.fromkeys(r["drafter"] for r in rows):
-        rs = [r for r in rows if r["drafter"] == d]
-        peak = max(r["peak_rss_bytes"] for r in rs)
-        est = rs[0]["estimated_bytes"]
-        print(f"| {d} | {rs[0]['n_ctx']} | {statistics.mean(r['tokens_per_second'] for r in rs):.1f} | "
-              f"{statistics.mean(r['acceptance'] for r in rs):.2f} | {peak / 2**20:.0f} | {est / 2**20:.0f} | "
-              f"{100 * (est - peak) / peak:+.1f}% |")
+    for c in summary:
+        print(f"| {c['drafter']} | {c['n_ctx']} | {c['tps']:.1f} | {c['acceptance']:.2f} | {c['peak'] / 2**20:.0f} | "
+              f"{c['estimate'] / 2**20:.0f} | {100 * (c['estimate'] - c['peak']) / c['peak']:+.1f}% |")
     print(f"\nJSON: {out_path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        names = list(dict.fromkeys(r["drafter"] for r in rows))
-        peaks = [max(r["peak_rss_bytes"] for r in rows if r["drafter"] == n) / 2**20 for n in names]
-        ests = [next(r["estimated_bytes"] for r in rows if r["drafter"] == n) / 2**20 for n in names]
-        x = np.arange(len(names))
+    plt = _pyplot()
+    if plt is not None and summary:
+        x = np.arange(len(summary))
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.bar(x - 0.2, ests, 0.4, label="estimate")
-        ax.bar(x + 0.2, peaks, 0.4, label="measured peak RSS")
+        ax.bar(x - 0.2, [c["estimate"] / 2**20 for c in summary], 0.4, label="estimate")
+        ax.bar(x + 0.2, [c["peak"] / 2**20 for c in summary], 0.4, label="measured peak RSS")
         ax.axhline(budget / 2**20, color="red", ls="--", label="budget")
-        ax.set_xticks(x, names)
+        ax.set_xticks(x, [c["drafter"] for c in summary])
         ax.set_ylabel("MiB")
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out_path.with_suffix(".png"), dpi=110)
         print(f"chart: {out_path.with_suffix('.png')}")
-    except ImportError:
-        pass
     return 0

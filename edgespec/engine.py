@@ -185,6 +185,15 @@ class Engine:
             raise
 
     # -- lifecycle ------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start the next generation from nothing: empty KV caches (no reused prompt prefix)
+        and, in auto mode, the policy's priors instead of what earlier generations taught it."""
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.backend.reset()
+        if self.policy is not None:
+            self.policy.reset()
+
     def close(self) -> None:
         if self.drafter is not None:
             self.drafter.close()

@@ -163,16 +163,13 @@ def resolve(target: str, *, models_file: str | None = None, download: bool = Tru
     if _looks_like_path(str(target)):
         return Path(target), None
     pair = load_registry(models_file).get(target)
-    paths = []
-    for spec in (pair.target, pair.draft):
-        if spec is None:
-            paths.append(None)
-            continue
+
+    def fetch(spec: ModelSpec) -> Path:
+        if download:
+            return pull(spec)  # the local file when there is one
         path = local_path(spec)
         if path is None:
-            if not download:
-                raise ModelFileError(f"{spec.file} of pair {target!r} is not downloaded: "
-                                     f"run `python -m edgespec pull {target}`")
-            path = pull(spec)
-        paths.append(path)
-    return paths[0], paths[1]
+            raise ModelFileError(f"{spec.file} of pair {target!r} is not downloaded: "
+                                 f"run `python -m edgespec pull {target}`")
+        return path
+    return fetch(pair.target), fetch(pair.draft) if pair.draft else None

@@ -18,6 +18,11 @@ import numpy as np
 from .errors import UsageError
 
 
+# Below this, float32 logits divided by the temperature overflow or the temperature itself
+# rounds to zero; anything that small is greedy decoding in all but name.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -27,13 +32,14 @@ class SamplingParams:
 
     def __post_init__(self):
         t, k, tp, mp = self.temperature, self.top_k, self.top_p, self.min_p
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
-            raise UsageError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+                and (t == 0 or t >= MIN_TEMPERATURE)):
+            raise UsageError(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE:g}, got {t!r}")
         if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
             raise UsageError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
-        if not (isinstance(tp, (int, float)) and 0 < tp <= 1):
+        if not (isinstance(tp, (int, float)) and not isinstance(tp, bool) and 0 < tp <= 1):
             raise UsageError(f"top_p must be in (0, 1] (1 = off), got {tp!r}")
-        if not (isinstance(mp, (int, float)) and 0 <= mp <= 1):
+        if not (isinstance(mp, (int, float)) and not isinstance(mp, bool) and 0 <= mp <= 1):
             raise UsageError(f"min_p must be in [0, 1] (0 = off), got {mp!r}")
 
     @property
@@ -93,13 +99,27 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return out
 
 
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw from a (possibly unnormalised) non-negative vector; zero entries never come out."""
+def sample(probs: np.ndarray, rng) -> int:
+    """One draw from a (possibly unnormalised) non-negative vector; zero entries never come out.
+
+    `rng` is a numpy Generator, or any object with `categorical(weights) -> index`: the tests
+    pass one that walks every outcome, to compute `verify`'s output law exactly."""
+    categorical = getattr(rng, "categorical", None)
+    if categorical is not None:
+        return int(categorical(np.asarray(probs, dtype=np.float64)))
     cdf = np.cumsum(probs, dtype=np.float64)
     total = cdf[-1]
     if not total > 0:
         raise ValueError("cannot sample from an all-zero distribution")
     return int(np.searchsorted(cdf, rng.random() * total, side="right"))
+
+
+def _accept(p_x: float, q_x: float, rng) -> bool:
+    """True with probability min(1, p_x / q_x)."""
+    if getattr(rng, "categorical", None) is not None:
+        keep = min(p_x, q_x)
+        return sample(np.array([q_x - keep, keep]), rng) == 1
+    return rng.random() * q_x < p_x
 
 
 def verify(draft: list[int], p: np.ndarray, q: np.ndarray | None,
@@ -121,7 +141,7 @@ def verify(draft: list[int], p: np.ndarray, q: np.ndarray | None,
                 return i, y
             continue
         # accept with probability min(1, p/q), written without dividing by a tiny q
-        if rng.random() * q[i, x] < p[i, x]:
+        if _accept(float(p[i, x]), float(q[i, x]), rng):
             continue
         residual = np.maximum(p[i] - q[i], 0.0)
         if not residual.sum() > 0:

@@ -93,15 +93,38 @@ def test_verify_rejects_a_token_the_target_cannot_emit_and_never_emits_it():
         assert n == 0 and y in (1, 2)
 
 
+class RejectThenRecord:
+    """An rng for `sample`: the first draw (verify's accept test, weights [reject, accept]) is
+    forced to reject; later draws are recorded and answered by a real generator."""
+
+    def __init__(self, seed):
+        self.gen = np.random.default_rng(seed)
+        self.calls = []
+
+    def categorical(self, weights):
+        self.calls.append(np.array(weights, dtype=np.float64))
+        if len(self.calls) == 1:
+            assert self.calls[0][0] > 0, "the accept test cannot reject here"
+            return 0
+        return sample(weights, self.gen)
+
+
 def test_verify_with_all_zero_residual_falls_back_to_p():
-    rng = np.random.default_rng(4)
-    p = np.array([[0.0, 1.0], [0.5, 0.5]], np.float32)
-    q = np.array([[0.0, 1.0]], np.float32)
-    # force a "rejection" by a q that is larger than p at the drafted token via rounding
-    q2 = q * np.float32(1.0000001)
-    for _ in range(50):
-        n, y = verify([1], p, q2, rng)
-        assert (n, y) in ((1, 0), (1, 1)) or (n == 0 and y == 1)
+    # q is one float32 ulp above p at the drafted token, so min(1, p/q) < 1 can reject while
+    # max(0, p - q) is zero everywhere. A real generator rejects here with probability ~1e-7,
+    # so the rejection is forced; the correction must then be drawn from p itself.
+    p = np.array([[0.25, 0.75, 0.0], [0.2, 0.3, 0.5]], np.float32)
+    q = p[:1].copy()
+    q[0, 1] = np.nextafter(np.float32(0.75), np.float32(1.0))
+    assert not np.maximum(p[0] - q[0], 0).sum() > 0
+    seen = set()
+    for seed in range(200):
+        rng = RejectThenRecord(seed)
+        n, y = verify([1], p, q, rng)
+        assert n == 0 and len(rng.calls) == 2
+        np.testing.assert_array_equal(rng.calls[1], p[0])
+        seen.add(y)
+    assert seen == {0, 1}
 
 
 def test_point_mass_drafts_accept_while_target_samples_match():

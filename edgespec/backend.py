@@ -100,6 +100,7 @@ class LlamaBackend:
         # Recurrent/hybrid state cannot be cut back to an earlier position.
         self.can_truncate = not (recurrent or hybrid)
         self.tokens: list[int] = []  # the KV cache holds these, at positions 0..n_past-1
+        self._stray = False
         self._piece_buf = ctypes.create_string_buffer(256)
 
     # -- tokens ---------------------------------------------------------------------------
@@ -148,6 +149,7 @@ class LlamaBackend:
         L = _llama()
         if self.n_past + len(tokens) > self.n_ctx:
             raise BackendError(f"context of {self.n_ctx} tokens is full: raise --ctx or lower --max-tokens")
+        self._drop_stray()
         out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
         where = {r: i for i, r in enumerate(rows)}  # token index -> output row
         batch = self._batch
@@ -160,20 +162,31 @@ class LlamaBackend:
                 batch.seq_id[j][0] = 0
                 batch.logits[j] = (start + j) in where
             batch.n_tokens = len(chunk)
+            self._stray = True  # until the bookkeeping below has caught up with llama.cpp
             rc = L.llama_decode(self._ctx, batch)
             if rc != 0:
                 # a failed decode may leave part of the batch in the cache: drop it
                 L.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
                 raise BackendError(f"llama_decode failed with code {rc} on {self.path.name}")
             self.tokens.extend(chunk)
+            self._stray = False
             for j in range(len(chunk)):
                 if (start + j) in where:
                     ptr = L.llama_get_logits_ith(self._ctx, j)
                     out[where[start + j]] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         return out
 
+    def _drop_stray(self) -> None:
+        """An interrupt (KeyboardInterrupt, an exception in a callback) between llama_decode and
+        the bookkeeping leaves positions in the cache that `tokens` does not list: drop them."""
+        if self._stray:
+            self._stray = False
+            if self.pos_max() >= self.n_past and not _llama().llama_memory_seq_rm(self._mem, 0, self.n_past, -1):
+                self.reset()
+
     def truncate(self, pos: int) -> bool:
         """Drop positions >= pos from the KV cache. False when the model cannot do that."""
+        self._drop_stray()
         if pos >= self.n_past:
             return True
         if not _llama().llama_memory_seq_rm(self._mem, 0, pos, -1):
@@ -184,6 +197,7 @@ class LlamaBackend:
     def keep_prefix(self, tokens: Sequence[int]) -> int:
         """Reuse the cached prefix shared with `tokens` (all but its last token, which the
         caller feeds to get logits); drop the rest. Returns how many positions were kept."""
+        self._drop_stray()
         n = 0
         for a, b in zip(self.tokens, tokens[:-1]):
             if a != b:
@@ -205,6 +219,7 @@ class LlamaBackend:
     def reset(self) -> None:
         _llama().llama_memory_clear(self._mem, True)
         self.tokens.clear()
+        self._stray = False
 
     def close(self) -> None:
         L = _llama()

@@ -9,12 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
 from .policy import Costs
+from .progress import log, report
 from .registry import cache_dir
 from .sampling import SamplingParams, warp
 
@@ -95,27 +95,50 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, reps: int = 2, prog
     return Costs(verify=tuple(costs), draft_step=draft_step)
 
 
-def _progress(k: int, n: int) -> None:
-    # a progress line for people; scripts reading stderr get only what they asked for
-    if sys.stderr.isatty():
-        print(f"\rcalibrating on this device (once per model and setting): target pass {k}/{n}",
-              end="" if k < n else "\n", file=sys.stderr, flush=True)
+def _read_cached(path, key) -> Costs | None:
+    """The cached figures, or None when the file is missing, unreadable or of another shape."""
+    try:
+        data = json.loads(path.read_text())
+        verify, step = data["verify"], data["draft_step"]
+        ok = (data.get("key") == key and isinstance(verify, list) and verify
+              and all(isinstance(v, (int, float)) and 0 < v < 60 for v in verify)
+              and (step is None or (isinstance(step, (int, float)) and 0 < step < 60)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return Costs(verify=tuple(float(v) for v in verify), draft_step=step) if ok else None
 
 
-def load_or_measure(target, draft=None, *, force: bool = False, quiet: bool = False) -> Costs:
+def load_or_measure(target, draft=None, *, force: bool = False, progress=None) -> Costs:
+    """Cached figures for this model and setting, else measure (and cache when the cache is
+    writable). `progress` receives `Progress("calibrate", k, n, "steps")` reports."""
     key = calibration_key(target, draft)
     path = _key_path(key)
-    if not force and path.exists():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key:
-                return Costs(verify=tuple(data["verify"]), draft_step=data["draft_step"])
-        except (OSError, ValueError, KeyError):
-            pass  # unreadable cache: measure again
-    costs = measure(target, draft, progress=None if quiet else _progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "verify": list(costs.verify), "draft_step": costs.draft_step},
-                              indent=1))
-    os.replace(tmp, path)
+    if not force:
+        cached = _read_cached(path, key)
+        if cached is not None:
+            return cached
+    costs = measure(target, draft, progress=(lambda k, n: report(progress, "calibrate", k, n, "steps",
+                                                                   f"target pass with {k} rows")))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "verify": list(costs.verify), "draft_step": costs.draft_step},
+                                  indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot cache the calibration in %s (%s): it will be measured again next time; "
+                    "set EDGESPEC_CACHE to a writable folder", path.parent, exc.strerror or exc)
     return costs
+
+
+def provisional(target, draft=None) -> Costs:
+    """Figures to start from when nothing was measured: each verified row costs a whole step,
+    so nothing is drafted until the passes the engine runs show otherwise."""
+    return Costs(verify=tuple(0.05 * k for k in range(1, MAX_ROWS + 1)),
+                 draft_step=0.05 if draft is not None else None)
+
+
+def cached(target, draft=None) -> Costs | None:
+    """The cached figures for this model and setting, without measuring."""
+    key = calibration_key(target, draft)
+    return _read_cached(_key_path(key), key)

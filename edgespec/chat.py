@@ -1,6 +1,8 @@
 """Chat templates: the GGUF's own `tokenizer.chat_template`, rendered by Jinja in a sandbox."""
 from __future__ import annotations
 
+import re
+import secrets
 from functools import lru_cache
 
 from .errors import UsageError
@@ -34,10 +36,27 @@ def validate_messages(messages) -> list[dict]:
 
 def render(template: str | None, messages, *, bos_token: str = "", eos_token: str = "") -> str:
     """The prompt text for `messages`, ending where the assistant's answer starts."""
-    from jinja2.exceptions import TemplateError
     messages = validate_messages(messages)
     try:
         return _compile(template or CHATML).render(messages=messages, add_generation_prompt=True,
                                                    bos_token=bos_token, eos_token=eos_token)
-    except TemplateError as exc:
-        raise UsageError(f"the model's chat template failed: {exc}; use --raw to send the prompt as is") from None
+    except Exception as exc:  # a template is a program: any error in it is the template's
+        what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"the model's chat template failed ({type(exc).__name__}: {what}); "
+                         "use --raw to send the prompt as is") from None
+
+
+def render_segments(template: str | None, messages, **tokens) -> list[tuple[str, bool]]:
+    """The rendered prompt cut into (text, is_message_content) pieces: each content is put in
+    as a unique marker and the template's output is split at the markers."""
+    messages = validate_messages(messages)
+    nonce = secrets.token_hex(8)
+    marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
+    text = render(template, [dict(m, content=mk) for m, mk in zip(messages, marks)], **tokens)
+    pieces: list[tuple[str, bool]] = []
+    for part in re.split(f"(\x00{nonce}:\\d+\x00)", text):
+        if part.startswith(f"\x00{nonce}:"):
+            pieces.append((messages[int(part[len(nonce) + 2:-1])]["content"], True))
+        elif part:
+            pieces.append((part, False))
+    return pieces

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from .errors import EdgespecError, UsageError
@@ -10,20 +11,66 @@ from .errors import EdgespecError, UsageError
 PROG = "edgespec"
 
 
+class _OneLine(logging.Formatter):
+    def format(self, record):
+        return f"{PROG}: {record.getMessage()}"
+
+
+def _setup_logging(verbose: bool) -> None:
+    """The library logs; the CLI shows its notices on stderr, one line each."""
+    log = logging.getLogger("edgespec")
+    if not any(getattr(h, "_edgespec_cli", False) for h in log.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(_OneLine())
+        h._edgespec_cli = True
+        log.addHandler(h)
+    log.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+class ProgressBar:
+    """Turns the library's Progress reports into one self-rewriting line on a terminal
+    (nothing at all when stderr is not a terminal)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self._last = None
+
+    def __call__(self, p) -> None:
+        if not self.live:
+            return
+        if p.unit == "bytes":
+            done = f"{p.done / 2**20:,.0f}" + (f"/{p.total / 2**20:,.0f} MiB" if p.total else " MiB")
+        else:
+            done = f"{p.done:.0f}" + (f"/{p.total:.0f}" if p.total else "")
+        frac = p.fraction
+        bar = ""
+        if frac is not None:
+            n = int(24 * min(1.0, frac))
+            bar = "[" + "#" * n + "." * (24 - n) + "] "
+        label = {"download": "downloading", "verify": "checking sha256", "calibrate": "calibrating this device"}
+        line = f"\r{label.get(p.task, p.task)} {p.detail} {bar}{done}"
+        self.stream.write(line[:200].ljust(80))
+        if frac is not None and frac >= 1.0:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, as for every other bad input
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     p.add_argument("pair", nargs="?", metavar="PAIR",
                    help="model pair name from models.toml (default: the file's default pair)")
     p.add_argument("--target", metavar="PATH", help="target GGUF file (instead of a pair)")
     p.add_argument("--draft", metavar="PATH", help="draft GGUF file (overrides the pair's draft)")
-    p.add_argument("--drafter", default="auto", metavar="MODE",
-                   help="auto | model | ngram | none. auto (default) picks per round between n-gram "
-                   "lookup, the draft model and plain decoding from costs measured on this device; "
-                   "model and ngram always draft --gamma tokens; none is plain decoding")
+    if drafter:
+        p.add_argument("--drafter", default="auto", metavar="MODE",
+                       help="auto | model | ngram | none. auto (default) picks per round between n-gram "
+                       "lookup, the draft model and plain decoding from costs measured on this device; "
+                       "model and ngram always draft --gamma tokens; none is plain decoding")
     p.add_argument("--models", metavar="FILE", help="your own models.toml, extending the built-in one "
                    "(also $EDGESPEC_MODELS)")
     p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context size in tokens (default 4096)")
@@ -49,30 +96,47 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
 
 
+def _check_arg_text(flag: str, text):
+    """argv and stdin bytes that are not UTF-8 arrive as lone surrogates: say so in one line."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{flag} is not valid UTF-8 text: pass UTF-8") from None
+    return text
+
+
 def _sampling_kwargs(args) -> dict:
+    from .engine import _check_seed
     from .sampling import SamplingParams
     SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)  # validate before loading
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    _check_seed(args.seed)
+    for s in args.stop:
+        _check_arg_text("--stop", s)
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
 
 
-def target_name(args) -> str:
-    """The target the user named: --target PATH, a pair name, or the models file's default pair."""
-    from .registry import load_registry
-    if args.target and args.pair:
+def settings_from_args(args, **overrides):
+    """The one Settings object the library, the benchmark and the server share."""
+    from .assemble import Settings
+    if getattr(args, "target", None) and getattr(args, "pair", None):
         raise UsageError("give either a pair name or --target PATH, not both")
-    return args.target or args.pair or load_registry(args.models).default
+    fields = dict(target=args.target or args.pair, draft=args.draft, drafter=getattr(args, "drafter", "auto"),
+                  n_ctx=args.ctx, threads=getattr(args, "threads", None), n_gpu_layers=args.n_gpu_layers,
+                  draft_n_gpu_layers=args.draft_n_gpu_layers, gamma=getattr(args, "gamma", 4),
+                  memory_budget=args.memory_budget, models_file=args.models,
+                  verbose=getattr(args, "verbose", False))
+    fields.update(overrides)
+    return Settings(**fields).validate()
 
 
-def load_engine(args):
-    from .engine import Engine, check_drafter
-    check_drafter(args.drafter)  # before a pair name can start a download
-    return Engine.load(target_name(args), draft=args.draft, drafter=args.drafter, n_gpu_layers=args.n_gpu_layers,
-                       draft_n_gpu_layers=args.draft_n_gpu_layers, n_ctx=args.ctx, threads=args.threads,
-                       gamma=args.gamma, verbose=args.verbose, models_file=args.models,
-                       memory_budget=args.memory_budget)
+def load_engine(args, **overrides):
+    from .assemble import build
+    return build(settings_from_args(args, **overrides), progress=ProgressBar())
 
 
 # -- run ------------------------------------------------------------------------------------
@@ -95,15 +159,20 @@ def _setup_run(sub) -> None:
 
 def _read_prompt(args) -> str:
     if args.prompt is not None:
-        text = args.prompt
+        text = _check_arg_text("--prompt", args.prompt)
     elif args.file:
         try:
             with open(args.file, encoding="utf-8") as fh:
                 text = fh.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read prompt file {args.file}: {getattr(exc, 'strerror', None) or exc}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"prompt file {args.file} is not UTF-8 text") from None
+        except OSError as exc:
+            raise UsageError(f"cannot read prompt file {args.file}: {exc.strerror or exc}") from None
     else:
-        text = sys.stdin.read()
+        try:
+            text = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError("the prompt on stdin is not UTF-8 text") from None
     if not text.strip():
         raise UsageError("the prompt is empty: pass --prompt TEXT, --file F or text on stdin")
     return text
@@ -117,6 +186,8 @@ def _echo(ev, show_drafts: bool) -> None:
 
 def cmd_run(args) -> int:
     kwargs = _sampling_kwargs(args)
+    _check_arg_text("--system", args.system)
+    settings_from_args(args)  # every flag checked before a prompt is read or a model loaded
     if args.prompt is None and not args.file and sys.stdin.isatty() and not args.raw and not args.json:
         with load_engine(args) as engine:
             return _interactive(engine, args, kwargs)
@@ -127,16 +198,14 @@ def cmd_run(args) -> int:
         else:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             events = engine.stream_chat(messages + [{"role": "user", "content": prompt}], **kwargs)
-        tokens, parts = [], []
-        for ev in events:
-            tokens.append(ev.token)
-            parts.append(ev.text)
-            if not args.json:
-                _echo(ev, args.show_drafts)
-        stats = engine.last_stats
+        with events:
+            for ev in events:
+                if not args.json:
+                    _echo(ev, args.show_drafts)
+        stats = events.stats
         if args.json:
             from .memory import peak_rss
-            print(json.dumps({"text": "".join(parts), "tokens": tokens, "stats": stats.as_dict(),
+            print(json.dumps({"text": events.text, "tokens": events.tokens, "stats": stats.as_dict(),
                               "peak_rss_bytes": peak_rss()}))
         else:
             sys.stdout.write("\n")
@@ -158,14 +227,19 @@ def _interactive(engine, args, kwargs) -> int:
         if not user.strip():
             continue
         messages.append({"role": "user", "content": user})
-        parts = []
-        for ev in engine.stream_chat(messages, **kwargs):
-            parts.append(ev.text)
-            _echo(ev, args.show_drafts)
+        try:
+            _check_arg_text("the message", user)
+        except UsageError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            messages.pop()
+            continue
+        with engine.stream_chat(messages, **kwargs) as events:
+            for ev in events:
+                _echo(ev, args.show_drafts)
         sys.stdout.write("\n")
         sys.stdout.flush()
-        print(engine.last_stats.summary(), file=sys.stderr)
-        messages.append({"role": "assistant", "content": "".join(parts)})
+        print(events.stats.summary(), file=sys.stderr)
+        messages.append({"role": "assistant", "content": events.text})
 
 
 # -- models, pull -----------------------------------------------------------------------------
@@ -229,7 +303,7 @@ def cmd_pull(args) -> int:
             continue
         print(f"{role}: {spec.repo}/{spec.file} ({_gb(spec.size)})", file=sys.stderr, flush=True)
         cached = local_path(spec)
-        path = cached or pull(spec)
+        path = cached or pull(spec, progress=ProgressBar())
         state = "already here" if cached else "sha256 verified" if spec.sha256 else "no checksum known"
         print(f"{role}: {path} ({state})", file=sys.stderr, flush=True)
     print(f"pulled {args.pair} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
@@ -268,15 +342,13 @@ def _gpu_layers(n: int) -> int:
 
 
 def cmd_plan(args) -> int:
+    from .assemble import resolve_files
     from .ggufinfo import read_info
-    from .hub import resolve
-    from .engine import check_drafter
-    from .memory import parse_size, plan
-    check_drafter(args.drafter)
-    budget = parse_size(args.memory_budget) if args.memory_budget else None
-    target, pair_draft = resolve(target_name(args), models_file=args.models, download=False)
+    from .memory import plan
+    settings = settings_from_args(args)
+    budget = settings.budget_bytes()
+    target, d_path = resolve_files(settings, download=False)
     t = read_info(target)
-    d_path = args.draft or pair_draft
     d = read_info(d_path) if d_path else None
     result = plan(t, d, n_ctx=args.ctx, drafter=args.drafter, budget=budget,
                   gpu_layers=_gpu_layers(args.n_gpu_layers), draft_gpu_layers=_gpu_layers(args.draft_n_gpu_layers))
@@ -336,10 +408,17 @@ def cmd_doctor(args) -> int:
 # -- bench ----------------------------------------------------------------------------------
 def _setup_bench(sub) -> None:
     from . import bench
-    bench.setup_arg_parser(sub.add_parser("bench", help="benchmark against plain decoding on the workloads",
-                                          description=bench.__doc__,
-                                          formatter_class=argparse.RawDescriptionHelpFormatter))
-    _add_model_args(sub.choices["bench"])
+    p = sub.add_parser("bench", help="benchmark against plain decoding on the workloads",
+                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(p)
+    _add_model_args(p, drafter=False)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+    settings = settings_from_args(args, drafter="auto")
+    return bench.main(settings, bench.options_from_args(args), progress=ProgressBar())
 
 
 # -- calibrate ------------------------------------------------------------------------------
@@ -353,12 +432,10 @@ def _setup_calibrate(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import load_or_measure
-    from .hub import resolve
-    _, pair_draft = resolve(target_name(args), models_file=args.models)
-    args.drafter = "model" if (args.draft or pair_draft) else "none"
-    with load_engine(args) as eng:
-        costs = load_or_measure(eng.target, eng.drafter.backend if eng.drafter else None, force=True)
+    from .assemble import build
+    settings = settings_from_args(args, drafter="auto")  # the figures are auto's
+    with build(settings, calibrate="now", progress=ProgressBar()) as eng:
+        costs = eng.drafter.policy.costs
     if args.json:
         print(json.dumps({"verify_seconds": costs.verify, "draft_step_seconds": costs.draft_step}))
     else:
@@ -385,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _setup_logging(getattr(args, "verbose", False))
     try:
         return args.func(args)
     except EdgespecError as exc:

@@ -1,41 +1,42 @@
-"""The speculative loop: draft, verify in one target pass, commit, cut both KV caches."""
+"""The speculative loop: draft, verify in one target pass, commit, cut the KV cache back.
+
+The engine knows a target backend and one drafter (see `drafters`); how the two were chosen
+and loaded is `assemble.py`'s business. One generation runs at a time: concurrent requests
+wait their turn, `cancel()` ends the running one within a round, `close()` frees the models.
+"""
 from __future__ import annotations
 
 import codecs
-import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import BackendError, UsageError
+from .drafters import NO_DRAFT, Round
+from .errors import BackendError, EngineClosedError, UsageError
 from .sampling import SamplingParams, verify, verify_greedy, warp
 
-DRAFTER_MODES = ("auto", "model", "ngram", "none")
-DEFAULT_GAMMA = 4
-
-
-def check_drafter(mode: str) -> None:
-    if mode not in DRAFTER_MODES:
-        raise UsageError(f"unknown drafter {mode!r}; choose one of {', '.join(DRAFTER_MODES)}")
+FINISH_REASONS = ("eos", "length", "stop", "context", "cancelled")
 
 
 @dataclass
 class GenerationStats:
     drafter: str
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0   # prompt positions found in the KV cache from an earlier request
     generated: int = 0
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
     target_forwards: int = 0
     accept_histogram: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafts
-    by_drafter: dict = field(default_factory=dict)  # name -> {"rounds", "drafted", "accepted"}
+    by_drafter: dict = field(default_factory=dict)  # source -> {"rounds", "drafted", "accepted"}
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str = ""
+    costs: dict = field(default_factory=dict)  # auto: where its cost figures came from
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,6 +62,8 @@ class GenerationStats:
         if self.drafter == "auto":
             s += " [" + ", ".join(f"{k}: {v['rounds']} rounds" + (f" {v['accepted']}/{v['drafted']}" if v["drafted"] else "")
                                   for k, v in sorted(self.by_drafter.items())) + "]"
+        if self.finish_reason == "cancelled":
+            s += ", cancelled"
         return s
 
 
@@ -70,32 +73,42 @@ class GenerationResult:
     tokens: list[int]
     stats: GenerationStats
 
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
 
 @dataclass(frozen=True)
 class StreamEvent:
-    text: str          # text that became printable with this token (may be empty)
-    token: int
-    from_draft: bool   # the token was a draft the target accepted
+    text: str                     # text that became printable with this token (may be empty)
+    token: Optional[int]          # None only in the one event of a request that generated nothing
+    from_draft: bool              # the token was a draft the target accepted
+    finish_reason: Optional[str] = None  # set on the last event: why generation ended
 
 
-def _fit_budget(t_info, draft_path, drafter, n_ctx, budget):
-    """Drop the draft model (for n-grams) when it does not fit the memory budget; say so once."""
-    from .ggufinfo import read_info
-    from .memory import estimate_process, parse_size
-    budget = parse_size(budget) if isinstance(budget, str) else int(budget)
-    d_info = read_info(draft_path) if draft_path else None
-    wanted = "model" if draft_path else ("ngram" if drafter in ("auto", "ngram") else "none")
-    for mode in dict.fromkeys([wanted, "ngram" if drafter in ("auto", "model") else wanted, "none"]):
-        need = estimate_process(t_info, d_info, n_ctx=n_ctx, drafter=mode)["total"]
-        if need <= budget:
-            if mode != wanted:
-                print(f"edgespec: the draft model does not fit in {budget / 2**30:.2f} GiB "
-                      f"({estimate_process(t_info, d_info, n_ctx=n_ctx, drafter=wanted)['total'] / 2**30:.2f} GiB "
-                      f"needed); using {mode} drafting instead", file=sys.stderr)
-                return ("auto" if drafter == "auto" and mode == "ngram" else mode), None
-            return drafter, draft_path
-    raise UsageError(f"{t_info.path.name} does not fit in {budget / 2**30:.2f} GiB even without a drafter "
-                     f"at n_ctx {n_ctx}: lower --ctx or raise --memory-budget (see `edgespec plan`)")
+def _check_seed(seed) -> None:
+    if seed is not None and not (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool)
+                                 and 0 <= seed < 2**64):
+        raise UsageError(f"seed must be an integer in 0..2**64-1 (leave it out for a random seed), got {seed!r}")
+
+
+def _check_text(what: str, text) -> str:
+    if not isinstance(text, str):
+        raise UsageError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{what} is not valid UTF-8 text (it holds undecodable bytes): "
+                         "pass text in UTF-8") from None
+    return text
+
+
+def _check_stop(stop) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise UsageError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    return tuple(s for s in (_check_text("each stop string", s) for s in stop) if s)
 
 
 def _pad(rows: np.ndarray, width: int) -> np.ndarray:
@@ -106,98 +119,69 @@ def _pad(rows: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-class Engine:
-    """A target model and an optional drafter. Use `Engine.load` to build one from GGUF files."""
+class Stream:
+    """One request's events, as they are committed. `stats` and `finish_reason` are the
+    request's own; `cancel()` ends it within a round; `close()` gives the engine back."""
 
-    def __init__(self, target, drafter=None, *, gamma: int = DEFAULT_GAMMA, n_vocab: int | None = None,
-                 ngram=None, policy=None):
-        """`drafter` (a draft model) and/or `ngram` propose; with a `policy` (auto mode) each
-        round picks the drafter and draft length, otherwise the one drafter drafts `gamma`."""
-        self.target = target
-        self.drafter = drafter
-        self.ngram = ngram
-        self.policy = policy
-        self.gamma = gamma
-        self.n_vocab = n_vocab or target.n_vocab
-        self.last_stats: GenerationStats | None = None
-        if (drafter is not None or ngram is not None) and not target.can_truncate:
-            if drafter is not None:
-                drafter.close()
-            raise UsageError(f"{target.path.name} is a recurrent or hybrid model whose cache cannot be "
-                             "cut back after a rejected draft: speculation is impossible, use --drafter none")
+    def __init__(self, engine: "Engine", gen: Iterator[StreamEvent], stats: GenerationStats):
+        self._engine = engine
+        self._gen = gen
+        self.stats = stats
+        self.tokens: list[int] = []
+        self._text: list[str] = []
+        self._cancel = threading.Event()
+        self._outdated: Optional[str] = None
+        self._thread = threading.get_ident()
 
     @property
-    def mode(self) -> str:
-        if self.policy is not None:
-            return "auto"
-        return "model" if self.drafter else "ngram" if self.ngram else "none"
+    def finish_reason(self) -> Optional[str]:
+        return self.stats.finish_reason or None
 
-    @classmethod
-    def load(cls, target: str, draft: str | None = None, drafter: str = "auto", *,
-             n_gpu_layers: int = -1, draft_n_gpu_layers: int = -1, n_ctx: int = 4096,
-             threads: int | None = None, gamma: int = DEFAULT_GAMMA, verbose: bool = False,
-             models_file: str | None = None, memory_budget: int | str | None = None) -> "Engine":
-        """Load a target (GGUF path or models.toml pair name) and, if wanted, its draft model."""
-        from .backend import LlamaBackend
-        from .calibrate import load_or_measure
-        from .drafters.model import ModelDrafter
-        from .drafters.ngram import NgramDrafter
-        from .policy import Policy
-        from .ggufinfo import check_pair, read_info
-        from .hub import resolve
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
 
-        check_drafter(drafter)
-        if not (isinstance(n_ctx, int) and n_ctx >= 16):
-            raise UsageError(f"n_ctx must be an integer >= 16, got {n_ctx!r}")
-        if not (isinstance(gamma, int) and 1 <= gamma <= 32):
-            raise UsageError(f"gamma (draft length) must be an integer in 1..32, got {gamma!r}")
-        target_path, pair_draft = resolve(target, models_file=models_file)
-        draft_path = (draft or pair_draft) if drafter in ("auto", "model") else None
-        if drafter == "model" and not draft_path:
-            raise UsageError("--drafter model needs a draft: pass --draft PATH or a pair that has one")
-        t_info = read_info(target_path)
-        if draft_path:
-            check_pair(target_path, draft_path)  # before any weights are loaded
-        if memory_budget is not None:
-            drafter, draft_path = _fit_budget(t_info, draft_path, drafter, n_ctx, memory_budget)
-        tb = LlamaBackend(target_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, threads=threads,
-                          verbose=verbose)
-        db = None
-        if drafter == "auto" and not tb.can_truncate:
-            print(f"edgespec: {Path(target_path).name} is a recurrent or hybrid model; its cache cannot be "
-                  "cut back after a rejection, so it decodes without speculation", file=sys.stderr)
-            drafter, draft_path = "none", None
-        try:
-            if draft_path:
-                db = LlamaBackend(draft_path, n_ctx=n_ctx, n_gpu_layers=draft_n_gpu_layers,
-                                  threads=threads, verbose=verbose)
-            n_vocab = max(tb.n_vocab, db.n_vocab) if db else tb.n_vocab
-            model_drafter = ModelDrafter(db, n_vocab) if db else None
-            ngram = NgramDrafter() if drafter in ("auto", "ngram") else None
-            policy = None
-            if drafter == "auto":
-                policy = Policy(load_or_measure(tb, db))
-            return cls(tb, model_drafter, gamma=gamma, n_vocab=n_vocab, ngram=ngram, policy=policy)
-        except BaseException:
-            if db is not None:
-                db.close()
-            tb.close()
-            raise
+    def cancel(self) -> None:
+        self._cancel.set()
 
-    # -- lifecycle ------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Start the next generation from nothing: empty KV caches (no reused prompt prefix)
-        and, in auto mode, the policy's priors instead of what earlier generations taught it."""
-        self.target.reset()
-        if self.drafter is not None:
-            self.drafter.backend.reset()
-        if self.policy is not None:
-            self.policy.reset()
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StreamEvent:
+        if self._outdated:
+            raise UsageError(self._outdated)
+        with self._engine._work:
+            if self._outdated:
+                raise UsageError(self._outdated)
+            try:
+                ev = next(self._gen)
+            except BaseException:
+                self._release()
+                raise
+        if ev.token is not None:
+            self.tokens.append(ev.token)
+        self._text.append(ev.text)
+        return ev
+
+    def result(self) -> GenerationResult:
+        """Run the request to its end (if it has not ended) and return its result."""
+        for _ in self:
+            pass
+        return GenerationResult(self.text, list(self.tokens), self.stats)
 
     def close(self) -> None:
-        if self.drafter is not None:
-            self.drafter.close()
-        self.target.close()
+        """Stop here; the engine serves the next request."""
+        if self._outdated is None:
+            with self._engine._work:
+                self._gen.close()
+        self._release()
+
+    def _release(self) -> None:
+        self._engine._release(self)
+
+    def _invalidate(self, why: str) -> None:
+        self._outdated = why
+        self._gen.close()
 
     def __enter__(self):
         return self
@@ -205,61 +189,247 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
-    # -- generation -----------------------------------------------------------------------
-    def generate(self, prompt: str, **kwargs) -> GenerationResult:
-        """Generate from a verbatim prompt; keyword arguments as `stream`."""
-        return self._collect(self.stream(prompt, **kwargs))
+    def __del__(self):
+        try:
+            self._engine._release(self)
+        except Exception:
+            pass
 
-    def _collect(self, events) -> GenerationResult:
-        tokens, parts = [], []
-        for ev in events:
-            tokens.append(ev.token)
-            parts.append(ev.text)
-        return GenerationResult(text="".join(parts), tokens=tokens, stats=self.last_stats)
 
-    def stream(self, prompt: str, **kwargs) -> Iterator[StreamEvent]:
-        """Yield tokens as they are committed, with the text each makes printable.
+class Engine:
+    """A target model and one drafter. Use `Engine.load` to build one from GGUF files."""
 
-        The prompt is tokenized verbatim (BOS added, special tokens parsed). Keyword arguments:
-        max_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop=().
-        Generation ends at an end-of-generation token, after `max_tokens`, or at a stop string
-        (not included). Statistics of the finished request are in `engine.last_stats`.
-        """
-        return self._stream_prompt(self.target.tokenize(prompt, add_bos=True, special=True), **kwargs)
+    def __init__(self, target, drafter=None):
+        """`target`: a backend (see backend.LlamaBackend); `drafter`: a `Drafter` or None
+        for plain decoding."""
+        self.target = target
+        self.drafter = drafter
+        self.n_vocab = max(target.n_vocab, getattr(getattr(drafter, "model", drafter), "n_vocab", 0) or 0)
+        if drafter is not None and not target.can_truncate:
+            raise UsageError(f"{target.path.name} is a recurrent or hybrid model whose cache cannot be "
+                             "cut back after a rejected draft: speculation is impossible, use --drafter none")
+        self._slot = threading.Condition()   # who may generate now
+        self._active: Optional[Stream] = None
+        self._work = threading.RLock()       # held while a backend is in use
+        self._closed = False
+        self._prompt_row: Optional[tuple[tuple[int, ...], np.ndarray]] = None
+
+    @property
+    def mode(self) -> str:
+        return self.drafter.name if self.drafter is not None else "none"
+
+    @classmethod
+    def load(cls, target: Optional[str] = None, draft: Optional[str] = None, drafter: str = "auto", *,
+             n_gpu_layers: int = -1, draft_n_gpu_layers: int = -1, n_ctx: int = 4096,
+             threads: Optional[int] = None, gamma: int = 4, verbose: bool = False,
+             models_file: Optional[str] = None, memory_budget: Union[int, str, None] = None,
+             download: bool = True, calibrate: str = "auto", progress=None) -> "Engine":
+        """Load a target (GGUF path or models.toml pair name; None = the default pair) and its
+        drafter. `download=False` refuses to fetch missing files; `calibrate` is "auto"
+        (measure this device once, then use the cached figures), "now" (measure again) or
+        "never" (cached figures or cautious defaults that the engine corrects as it runs);
+        `progress` receives `progress.Progress` reports for downloads and calibration."""
+        from .assemble import Settings, build
+        return build(Settings(target=target, draft=draft, drafter=drafter, n_gpu_layers=n_gpu_layers,
+                              draft_n_gpu_layers=draft_n_gpu_layers, n_ctx=n_ctx, threads=threads,
+                              gamma=gamma, verbose=verbose, models_file=models_file,
+                              memory_budget=memory_budget),
+                     download=download, calibrate=calibrate, progress=progress)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this engine is closed: load a new one with Engine.load")
+
+    def reset(self) -> None:
+        """Start the next generation from nothing: empty KV caches (no reused prompt prefix)
+        and a drafter that forgets what earlier generations taught it."""
+        with self._acquire(None):
+            with self._work:
+                self.target.reset()
+                self._prompt_row = None
+                if self.drafter is not None:
+                    self.drafter.reset()
+
+    def cancel(self) -> None:
+        """End the running generation (from any thread) within one round; its finish reason
+        is "cancelled". Does nothing when no generation runs."""
+        active = self._active
+        if active is not None:
+            active.cancel()
+
+    def close(self) -> None:
+        """Cancel what runs, wait for its round to end, free the models. Idempotent."""
+        with self._slot:
+            if self._closed:
+                return
+            self._closed = True
+            active = self._active
+            if active is not None:
+                active.cancel()
+            self._slot.notify_all()
+        with self._work:
+            if active is not None:
+                active._invalidate("this engine was closed while the stream was open")
+                self._release(active)
+            if self.drafter is not None:
+                self.drafter.close()
+            self.target.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- one request at a time ------------------------------------------------------------
+    class _Turn:
+        def __init__(self, engine, stream):
+            self.engine, self.stream = engine, stream
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.engine._release(self.stream)
+
+    def _acquire(self, stream: Optional[Stream]) -> "_Turn":
+        """Wait until no other thread's request runs; a request of this thread that is still
+        open is made outdated (resuming it raises)."""
+        me = threading.get_ident()
+        with self._slot:
+            while True:
+                self._check_open()
+                active = self._active
+                if active is None:
+                    break
+                if active._thread == me:
+                    active._invalidate("this stream is outdated: another generation started on the same engine "
+                                       "before it finished; read streams to their end or close() them")
+                    self._active = None
+                    break
+                self._slot.wait()
+            self._active = stream if stream is not None else _Placeholder(me)
+        return self._Turn(self, self._active)
+
+    def _release(self, stream) -> None:
+        with self._slot:
+            if self._active is stream:
+                self._active = None
+                self._slot.notify_all()
+
+    # -- text in, text out ----------------------------------------------------------------
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of `text` with BOS (when the model uses one); `special=False` reads
+        control-token text like "<|im_end|>" as plain text."""
+        _check_text("the prompt", text)
+        with self._work:
+            self._check_open()
+            return self.target.tokenize(text, add_bos=True, special=special)
 
     def format_chat(self, messages) -> str:
         """The target's chat template applied to `messages` (list of {'role', 'content'})."""
         from .chat import render
+        with self._work:
+            self._check_open()
+            return render(self.target.chat_template(), messages, **self._template_tokens())
+
+    def _template_tokens(self) -> dict:
         t = self.target
-        return render(t.chat_template(), messages, bos_token=t.token_text(t.bos) if t.bos >= 0 else "",
-                      eos_token=t.token_text(t.eos) if t.eos >= 0 else "")
+        return dict(bos_token=t.token_text(t.bos) if t.bos >= 0 else "",
+                    eos_token=t.token_text(t.eos) if t.eos >= 0 else "")
 
-    def stream_chat(self, messages, **kwargs) -> Iterator[StreamEvent]:
-        """`stream` for a conversation, through the target's chat template."""
-        tokens = self.target.tokenize(self.format_chat(messages), add_bos=True, special=True)
-        if len(tokens) > 1 and tokens[0] == tokens[1] == self.target.bos:
-            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
-        return self._stream_prompt(tokens, **kwargs)
+    def chat_tokens(self, messages) -> list[int]:
+        """The prompt tokens for a conversation. Message contents are tokenized as text: a
+        message holding "<|im_end|>" cannot close its turn; only the template's own markers
+        are control tokens."""
+        from .chat import render, render_segments, validate_messages
+        messages = validate_messages(messages)
+        with self._work:
+            self._check_open()
+            t = self.target
+            template, kw = t.chat_template(), self._template_tokens()
+            # usually no message holds control-token text, and the prompt is tokenized whole
+            # (as llama.cpp does); otherwise piece by piece, contents as plain text
+            if all(t.tokenize(m["content"], add_bos=False, special=True)
+                   == t.tokenize(m["content"], add_bos=False, special=False) for m in messages):
+                tokens = t.tokenize(render(template, messages, **kw), add_bos=True, special=True)
+            else:
+                tokens = t.tokenize("", add_bos=True, special=False)
+                for piece, is_content in render_segments(template, messages, **kw):
+                    tokens += t.tokenize(piece, add_bos=False, special=not is_content)
+            if len(tokens) > 1 and tokens[0] == tokens[1] == t.bos:
+                tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
+            return tokens
 
-    def chat(self, messages, **kwargs) -> GenerationResult:
+    # -- generation -----------------------------------------------------------------------
+    def generate(self, prompt: Union[str, Sequence[int]], *, max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: Optional[int] = None,
+                 stop: Union[str, Sequence[str]] = ()) -> GenerationResult:
+        """Generate from a verbatim prompt (text, or token ids); waits while another request runs."""
+        with self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         min_p=min_p, seed=seed, stop=stop) as s:
+            return s.result()
+
+    def chat(self, messages, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, seed: Optional[int] = None,
+             stop: Union[str, Sequence[str]] = ()) -> GenerationResult:
         """`generate` for a conversation, through the target's chat template."""
-        return self._collect(self.stream_chat(messages, **kwargs))
+        with self.stream_chat(messages, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, min_p=min_p, seed=seed, stop=stop) as s:
+            return s.result()
 
-    def _stream_prompt(self, prompt_tokens: list[int], max_tokens: int = 128, temperature: float = 0.0,
-                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                       stop: Sequence[str] = ()) -> Iterator[StreamEvent]:
+    def stream_chat(self, messages, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, min_p: float = 0.0, seed: Optional[int] = None,
+                    stop: Union[str, Sequence[str]] = ()) -> Stream:
+        """`stream` for a conversation, through the target's chat template."""
+        return self.stream(self.chat_tokens(messages), max_tokens=max_tokens, temperature=temperature,
+                           top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop)
+
+    def stream(self, prompt: Union[str, Sequence[int]], *, max_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: Optional[int] = None,
+               stop: Union[str, Sequence[str]] = ()) -> Stream:
+        """Yield tokens as they are committed, with the text each makes printable.
+
+        A text prompt is tokenized verbatim (BOS added, special tokens parsed); a list of ints
+        is taken as token ids. Generation ends at an end-of-generation token ("eos"), after
+        `max_tokens` ("length"), at a stop string, not included ("stop"), when the context is
+        full ("context") or on `cancel()` ("cancelled"). The last event carries the reason.
+        """
         params = SamplingParams(temperature, top_k, top_p, min_p)
-        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+        if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
             raise UsageError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        stop = tuple(s for s in ((stop,) if isinstance(stop, str) else stop) if s)
-        return self._stream_tokens(prompt_tokens, max_tokens, params, seed, stop)
+        _check_seed(seed)
+        stop = _check_stop(stop)
+        if isinstance(prompt, str):
+            tokens = self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            tokens = [int(t) for t in prompt]
+            if any(not 0 <= t < self.target.n_vocab for t in tokens):
+                raise UsageError(f"prompt token ids must be in 0..{self.target.n_vocab - 1}")
+        else:
+            raise UsageError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        n_ctx = self.target.n_ctx
+        if not tokens:
+            raise UsageError("the prompt is empty after tokenization")
+        if len(tokens) >= n_ctx:
+            raise UsageError(f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}: "
+                             "raise --ctx or shorten the prompt")
+        stats = GenerationStats(drafter=self.mode, prompt_tokens=len(tokens))
+        holder: list[Stream] = []
+        stream = Stream(self, self._events(tokens, max_tokens, params, seed, stop, stats, holder), stats)
+        holder.append(stream)
+        self._acquire(stream)
+        return stream
 
-    def _stream_tokens(self, prompt_tokens, max_tokens, params, seed, stop):
+    def _events(self, prompt_tokens, max_tokens, params, seed, stop, stats, holder) -> Iterator[StreamEvent]:
+        """Token ids -> events with printable text; one event of lookahead, so that the last
+        event can carry the finish reason and the decoder's final flush."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         hold = max((len(s) for s in stop), default=1) - 1  # chars that may start a stop string
         text = ""        # decoded, not yet emitted
-        prev = None      # one event of lookahead, so the final flush has a token to ride on
-        gen = self.generate_tokens(prompt_tokens, max_tokens, params, seed)
+        prev = None
+        gen = self._loop(prompt_tokens, max_tokens, params, seed, stats, holder)
         try:
             for token, from_draft in gen:
                 text += decoder.decode(self.target.token_to_piece(token))
@@ -267,69 +437,97 @@ class Engine:
                 if hit >= 0:
                     if prev:
                         yield prev
-                    yield StreamEvent(text[:hit], token, from_draft)
-                    self.last_stats.finish_reason = "stop"
+                    stats.finish_reason = "stop"
+                    yield StreamEvent(text[:hit], token, from_draft, "stop")
                     return
                 cut = max(0, len(text) - hold)
                 if prev:
                     yield prev
                 prev, text = StreamEvent(text[:cut], token, from_draft), text[cut:]
+            tail = text + decoder.decode(b"", final=True)
             if prev:
-                yield StreamEvent(prev.text + text + decoder.decode(b"", final=True), prev.token,
-                                  prev.from_draft)
+                yield StreamEvent(prev.text + tail, prev.token, prev.from_draft, stats.finish_reason)
+            else:
+                yield StreamEvent(tail, None, False, stats.finish_reason)
         finally:
             gen.close()
+            if holder:
+                self._release(holder[0])
 
-    def generate_tokens(self, prompt_tokens: list[int], max_tokens: int, params: SamplingParams,
-                        seed: int | None = None) -> Iterator[tuple[int, bool]]:
-        """The speculative loop over token ids: yields (token, from_draft) as they are committed."""
-        target, model, ngram, policy = self.target, self.drafter, self.ngram, self.policy
-        n_ctx = target.n_ctx
-        if not prompt_tokens:
-            raise UsageError("the prompt is empty after tokenization")
-        if len(prompt_tokens) >= n_ctx:
-            raise UsageError(f"the prompt is {len(prompt_tokens)} tokens but the context holds {n_ctx}: "
-                             "raise --ctx or shorten the prompt")
-        rng = np.random.default_rng(seed)
-        max_gamma = policy.max_gamma if policy else self.gamma
-        stats = GenerationStats(drafter=self.mode, prompt_tokens=len(prompt_tokens),
-                                accept_histogram=[0] * (max_gamma + 1))
-        self.last_stats = stats
-        tokens = list(prompt_tokens)
-
-        # Prefill the prompt in one batch, as plain llama.cpp decoding does (a token's KV
-        # depends, in its last bits, on the batch it was computed in), keeping the last row.
-        t0 = time.perf_counter()
+    def _prefill(self, tokens: list[int]) -> np.ndarray:
+        """Put the prompt in the target's cache and return its last row of logits. An exact
+        repeat of the last prompt reuses that row, so it takes the same path as the first time
+        (re-evaluating the last token alone would round differently)."""
+        target = self.target
+        saved = self._prompt_row
+        if (saved is not None and saved[0] == tuple(tokens) and target.n_past >= len(tokens)
+                and target.tokens[:len(tokens)] == tokens and target.truncate(len(tokens))):
+            return saved[1]
+        self._prompt_row = None
+        # the whole rest of the prompt in one batch, as plain llama.cpp decoding does (a
+        # token's KV depends, in its last bits, on the batch it was computed in)
         kept = target.keep_prefix(tokens)
-        carry = target.eval(tokens[kept:], [len(tokens) - kept - 1])
+        row = target.eval(tokens[kept:], [len(tokens) - kept - 1])
+        self._check_finite(row)
+        self._prompt_row = (tuple(tokens), row)
+        return row
+
+    def _check_finite(self, logits: np.ndarray) -> None:
+        if len(logits) and not np.isfinite(logits.max(axis=1)).all():
+            raise BackendError(f"{self.target.path.name} produced non-finite logits (NaN): the file is damaged; "
+                               "download it again")
+
+    def _loop(self, prompt_tokens: list[int], max_tokens: int, params: SamplingParams, seed, stats, holder
+              ) -> Iterator[tuple[int, bool]]:
+        """The speculative loop over token ids: yields (token, from_draft) as they are committed."""
+        target, drafter = self.target, self.drafter
+        n_ctx = target.n_ctx
+        rng = np.random.default_rng(seed)
+        tokens = list(prompt_tokens)
+        t0 = time.perf_counter()
+        kept_before = target.n_past
+        carry = self._prefill(tokens)
+        stats.reused_prompt_tokens = min(kept_before, target.n_past, len(tokens))
         stats.target_forwards += 1
-        for d in (model, ngram):
-            if d is not None:
-                d.begin(tokens)
+        if drafter is not None:
+            drafter.begin(tokens)
         t1 = time.perf_counter()
         stats.prompt_seconds = t1 - t0
+        cancelled = holder[0]._cancel
         try:
             while stats.generated < max_tokens and len(tokens) < n_ctx:
-                room = min(max_gamma, max_tokens - stats.generated - 1, n_ctx - len(tokens) - 1)
-                name, drafts, q = self._draft(tokens, room, params, rng)
+                if cancelled.is_set():
+                    stats.finish_reason = "cancelled"
+                    return
+                room = min(max_tokens - stats.generated - 1, n_ctx - len(tokens) - 1)
+                td = time.perf_counter()
+                draft = drafter.propose(tokens, room, params, rng) if drafter is not None and room > 0 else NO_DRAFT
+                drafts = draft.tokens
+                tv = time.perf_counter()
                 if carry is not None:  # first round: the last prompt row is already computed
-                    logits = np.concatenate([carry, target.eval(drafts, range(len(drafts)))]) if drafts else carry
-                    stats.target_forwards += bool(drafts)
+                    rows = len(drafts)
+                    logits = np.concatenate([carry, target.eval(drafts, range(rows))]) if drafts else carry
                     carry = None
                 else:
                     pending = tokens[target.n_past:]
                     feed = pending + drafts
+                    rows = len(drafts) + 1
                     logits = target.eval(feed, range(len(pending) - 1, len(feed)))
+                if rows:
                     stats.target_forwards += 1
+                    self._check_finite(logits)
+                te = time.perf_counter()
                 if params.greedy:
                     n, y = verify_greedy(drafts, logits)
                 else:
-                    n, y = verify(drafts, warp(_pad(logits, self.n_vocab), params), q, rng)
+                    n, y = verify(drafts, warp(_pad(logits, self.n_vocab), params), draft.q, rng)
                 new = drafts[:n] + [y]
                 if not target.truncate(len(tokens) + n):
                     raise BackendError("the target's KV cache could not be cut back")
                 tokens.extend(new)
-                self._after_round(tokens, name, drafts, n, stats)
+                self._count(stats, draft, n)
+                if drafter is not None:
+                    drafter.observe(Round(tokens, draft, n, rows, te - tv, tv - td))
                 for i, tok in enumerate(new):
                     if target.is_eog(tok):
                         stats.finish_reason = "eos"
@@ -342,41 +540,34 @@ class Engine:
             stats.finish_reason = "length" if stats.generated >= max_tokens else "context"
         finally:
             stats.decode_seconds = time.perf_counter() - t1
+            describe = getattr(drafter, "describe_costs", None)
+            if describe is not None:
+                stats.costs = describe()
 
-    def _draft(self, tokens, room, params, rng):
-        """(drafter name, draft tokens, q rows or None) for this round."""
-        if room <= 0:
-            return "none", [], None
-        if self.policy is None:  # one drafter, fixed length
-            d = self.drafter or self.ngram
-            if d is None:
-                return "none", [], None
-            drafts, q = d.propose(tokens, room, params, rng)
-            return d.name, drafts, q
-        n, cont = self.ngram.lookup(tokens, room) if self.ngram else (0, [])
-        choice = self.policy.choose((n, len(cont)) if cont else None, self.drafter is not None, room)
-        if choice.drafter == "ngram":
-            return "ngram", cont[:choice.gamma], None
-        if choice.drafter == "model":
-            drafts, q = self.drafter.propose(tokens, choice.gamma, params, rng)
-            return "model", drafts, q
-        return "none", [], None
-
-    def _after_round(self, tokens, name, drafts, n, stats) -> None:
+    @staticmethod
+    def _count(stats: GenerationStats, draft, n: int) -> None:
         stats.rounds += 1
-        if self.drafter is not None:
-            self.drafter.accept(tokens)  # cut the draft's cache back to the committed prefix
-        if self.policy is not None:
-            if self.ngram is not None and (seen := self.ngram.outcome(tokens)) is not None:
-                # scored whether or not it drafted this round: lookups cost nothing
-                self.policy.ngram.update(*seen)
-            if name == "model":
-                self.policy.model.update(n, len(drafts))
+        drafts = draft.tokens
         if drafts:
             stats.drafted += len(drafts)
             stats.accepted += n
+            if len(stats.accept_histogram) <= len(drafts):
+                stats.accept_histogram.extend([0] * (len(drafts) + 1 - len(stats.accept_histogram)))
             stats.accept_histogram[n] += 1
-        d = stats.by_drafter.setdefault(name if drafts else "none", {"rounds": 0, "drafted": 0, "accepted": 0})
+        d = stats.by_drafter.setdefault(draft.source if drafts else "none", {"rounds": 0, "drafted": 0, "accepted": 0})
         d["rounds"] += 1
         d["drafted"] += len(drafts)
         d["accepted"] += n
+
+
+class _Placeholder:
+    """Holds the engine for work that is not a stream (reset)."""
+
+    def __init__(self, thread: int):
+        self._thread = thread
+
+    def cancel(self) -> None:
+        pass
+
+    def _invalidate(self, why: str) -> None:
+        pass

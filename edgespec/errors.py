@@ -45,3 +45,7 @@ class BackendError(EdgespecError):
 
 class ChecksumError(DownloadError):
     """A downloaded file did not match its sha256; nothing of it was kept."""
+
+
+class EngineClosedError(UsageError):
+    """A method was called on an Engine after close()."""

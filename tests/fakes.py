@@ -25,6 +25,10 @@ class FakeBackend:
     def n_past(self) -> int:
         return len(self.cache)
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.cache
+
     def tokenize(self, text, add_bos=True, special=True):
         # digits are token ids; other words map to a stable id
         ids = [int(w) if w.isdigit() else sum(map(ord, w)) for w in text.split()]
@@ -43,6 +47,7 @@ class FakeBackend:
         return token == self.eos
 
     def eval(self, tokens, rows):
+        assert not self.closed, "eval after close"
         assert len(self.cache) + len(tokens) <= self.n_ctx, "context overflow"
         self.cache.extend(int(t) for t in tokens)
         self.evals += 1

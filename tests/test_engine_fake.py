@@ -1,4 +1,5 @@
-"""Engine behaviour on the fake backend: streaming text, stop strings, EOS, limits."""
+"""Engine behaviour on the fake backend: streaming text, stop strings, EOS, limits, and the
+request-scoped results (stats and finish reason on the stream, the last event, the result)."""
 import numpy as np
 import pytest
 
@@ -24,8 +25,8 @@ class PieceBackend(FakeBackend):
 
 def engine(gamma=3, draft=True, **kw):
     target = PieceBackend(CHAIN, **kw)
-    drafter = ModelDrafter(PieceBackend(CHAIN + np.float32(0.3), name="draft"), V) if draft else None
-    return Engine(target, drafter, gamma=gamma)
+    drafter = ModelDrafter(PieceBackend(CHAIN + np.float32(0.3), name="draft"), V, gamma) if draft else None
+    return Engine(target, drafter)
 
 
 def test_stream_splits_no_character_and_joins_to_the_full_text():
@@ -36,36 +37,45 @@ def test_stream_splits_no_character_and_joins_to_the_full_text():
     assert "".join(texts) == full == "hé 😀! ok.hé 😀! ok."
     assert [e.token for e in events] == [1, 2, 3, 4, 5, 0] * 2
     assert any(e.from_draft for e in events)
+    # only the last event says why the generation ended
+    assert [e.finish_reason for e in events] == [None] * 11 + ["length"]
 
 
 @pytest.mark.parametrize("stop, expect", [("😀!", "hé "), ("ok.h", "hé 😀! "), ("é 😀", "h")])
 def test_stop_string_across_tokens_ends_generation_before_it(stop, expect):
-    eng = engine()
-    result = eng.generate("0", max_tokens=50, stop=[stop])
+    result = engine().generate("0", max_tokens=50, stop=[stop])
     assert result.text == expect
-    assert eng.last_stats.finish_reason == "stop"
+    assert result.stats.finish_reason == result.finish_reason == "stop"
 
 
 def test_eos_stops_and_is_not_emitted():
     eng = engine(eos=4)
-    result = eng.generate("0", max_tokens=50)
-    assert result.tokens == [1, 2, 3]
-    assert eng.last_stats.finish_reason == "eos"
+    stream = eng.stream("0", max_tokens=50)
+    events = list(stream)
+    assert [e.token for e in events] == [1, 2, 3]
+    assert stream.finish_reason == "eos" and events[-1].finish_reason == "eos"
+    assert stream.tokens == [1, 2, 3] and stream.text == "hé 😀"
+
+
+def test_a_request_that_generates_nothing_still_ends_with_an_event_saying_why():
+    eng = engine(eos=1)
+    events = list(eng.stream("0", max_tokens=5))
+    assert [(e.token, e.text, e.finish_reason) for e in events] == [(None, "", "eos")]
+    assert eng.generate("0", max_tokens=5).tokens == []
 
 
 @pytest.mark.parametrize("gamma", [1, 4, 8])
 def test_max_tokens_is_exact_with_any_draft_length(gamma):
     eng = engine(gamma=gamma)
     for n in (1, 2, 5, 7):
-        assert len(eng.generate("0", max_tokens=n).tokens) == n
-        assert eng.last_stats.finish_reason == "length"
+        r = eng.generate("0", max_tokens=n)
+        assert len(r.tokens) == n and r.finish_reason == "length"
 
 
 def test_generation_stops_when_the_context_is_full():
-    eng = engine(n_ctx=10)
-    result = eng.generate("0 1", max_tokens=100)
+    result = engine(n_ctx=10).generate("0 1", max_tokens=100)
     assert len(result.tokens) == 10 - 3
-    assert eng.last_stats.finish_reason == "context"
+    assert result.finish_reason == "context"
 
 
 def test_prompt_longer_than_context_is_a_usage_error():
@@ -81,6 +91,47 @@ def test_model_that_cannot_cut_its_cache_refuses_speculation_but_decodes_plainly
     assert Engine(target, None).generate("0", max_tokens=3).tokens == [1, 2, 3]
 
 
-def test_bad_max_tokens():
-    with pytest.raises(UsageError, match="max_tokens must be"):
-        engine().generate("0", max_tokens=0)
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(max_tokens=0), "max_tokens must be"),
+    (dict(max_tokens=True), "max_tokens must be"),
+    (dict(seed=-1), "seed must be an integer in 0..2**64-1"),
+    (dict(seed=1.5), "seed must be"),
+    (dict(temperature=1e-46), "temperature must be 0 (greedy) or a number >= 1e-06"),
+    (dict(stop=5), "stop must be a string or a list"),
+    (dict(stop=["ok", 3]), "each stop string must be a string"),
+    (dict(stop="\udcff"), "not valid UTF-8"),
+])
+def test_bad_arguments_are_usage_errors(kwargs, fragment):
+    with pytest.raises(UsageError) as e:
+        engine().generate("0", **kwargs)
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("prompt, fragment", [
+    (5, "prompt must be a string or a list of token ids"),
+    (b"0 1", "prompt must be a string"),
+    ("\udcff", "not valid UTF-8"),
+    ([0, 99], "token ids must be in 0..5"),
+    ("", "prompt is empty"),
+])
+def test_bad_prompts_are_usage_errors(prompt, fragment):
+    with pytest.raises(UsageError) as e:
+        engine().generate(prompt)
+    assert fragment in str(e.value)
+
+
+def test_token_id_prompts_equal_text_prompts():
+    eng = engine()
+    assert eng.generate([0, 0], max_tokens=6).tokens == eng.generate("0", max_tokens=6).tokens
+
+
+def test_nan_logits_are_a_backend_error_naming_the_file():
+    from edgespec.errors import BackendError
+    bad = CHAIN.copy()
+    bad[2] = np.nan
+    eng = Engine(PieceBackend(bad, name="broken"), None)
+    for temperature in (0.0, 1.0):
+        with pytest.raises(BackendError, match="broken.gguf produced non-finite logits"):
+            eng.generate("0", max_tokens=5, temperature=temperature)
+        # the engine stays usable for a prompt that avoids the damaged row
+        assert eng.generate("4", max_tokens=1).tokens == [5]

@@ -1,16 +1,43 @@
-"""Drafters propose tokens for the target to verify.
+"""Drafters propose tokens for the target to verify; the engine's loop knows only this protocol.
 
-Lifecycle per request: begin(prompt tokens) once, then each round propose(...) and, after
-verification, accept(committed tokens). A drafter returns q rows (the distribution each draft
-was sampled from) or None for point-mass drafts.
+Lifecycle: `begin(prompt tokens)` once per request; each round `propose(...)` returns a
+`Draft` (possibly empty), the target verifies it, and `observe(Round)` tells the drafter what
+was committed, how much of its draft was accepted and what the passes cost. `reset()` forgets
+everything a drafter learnt or cached; `close()` frees what it holds.
+
+A draft carries the q rows its tokens were sampled from, or None for point-mass drafts
+(n-gram lookup, argmax drafting): verification is exact either way.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Optional, Protocol
 
 import numpy as np
 
 from ..sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    q: Optional[np.ndarray] = None   # (len(tokens), n_vocab) or None for point masses
+    source: str = "none"             # which drafter made it: "model", "ngram", "copy", ...
+
+
+NO_DRAFT = Draft([])
+
+
+@dataclass(frozen=True)
+class Round:
+    """One finished round, as the drafters learn from it."""
+
+    tokens: list[int]        # every committed token, prompt included, after this round
+    draft: Draft
+    accepted: int            # drafts the target accepted (then one token of its own)
+    verify_rows: int         # rows of logits the target pass computed (0: no pass this round)
+    verify_seconds: float    # wall time of that pass
+    draft_seconds: float     # wall time of `propose`
 
 
 class Drafter(Protocol):
@@ -18,9 +45,11 @@ class Drafter(Protocol):
 
     def begin(self, tokens: list[int]) -> None: ...
 
-    def propose(self, tokens: list[int], gamma: int, params: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]: ...
+    def propose(self, tokens: list[int], room: int, params: SamplingParams,
+                rng: np.random.Generator) -> Draft: ...
 
-    def accept(self, tokens: list[int]) -> None: ...
+    def observe(self, round: Round) -> None: ...
+
+    def reset(self) -> None: ...
 
     def close(self) -> None: ...

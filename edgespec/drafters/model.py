@@ -5,15 +5,17 @@ import numpy as np
 
 from ..errors import BackendError
 from ..sampling import SamplingParams, sample, warp
+from . import NO_DRAFT, Draft, Round
 
 
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, backend, n_vocab: int):
+    def __init__(self, backend, n_vocab: int, gamma: int = 4):
         # n_vocab: the width of the target's rows; q is zero beyond the draft's own vocabulary.
         self.backend = backend
         self.n_vocab = n_vocab
+        self.gamma = gamma
 
     def begin(self, tokens: list[int]) -> None:
         be = self.backend
@@ -21,19 +23,26 @@ class ModelDrafter:
         if kept < len(tokens) - 1:  # prefill now, so drafting time is decode time
             be.eval(tokens[kept:-1], [])
 
-    def propose(self, tokens, gamma, params: SamplingParams, rng):
+    def propose(self, tokens, room, params: SamplingParams, rng) -> Draft:
+        return self.draft(tokens, min(self.gamma, room), params, rng)
+
+    def draft(self, tokens, n: int, params: SamplingParams, rng) -> Draft:
+        """`n` tokens sampled one by one from the draft model (its argmax at T = 0)."""
         be = self.backend
-        if gamma <= 0:
-            return [], None
+        if n <= 0:
+            return NO_DRAFT
         # the committed tokens the draft has not seen yet (the last one or two after a round)
         pending = tokens[be.n_past:]
         drafts: list[int] = []
         # at T = 0 the verifier compares argmaxes and needs no q rows
-        q = None if params.greedy else np.zeros((gamma, self.n_vocab), dtype=np.float32)
+        q = None if params.greedy else np.zeros((n, self.n_vocab), dtype=np.float32)
         w = min(be.n_vocab, self.n_vocab)
-        for i in range(gamma):
+        for i in range(n):
             feed = pending if i == 0 else [drafts[-1]]
             logits = be.eval(feed, [len(feed) - 1])[0]
+            if not np.isfinite(logits.max()):
+                raise BackendError(f"draft model {be.path.name} produced non-finite logits: the file is "
+                                   "damaged; download it again")
             if q is None:
                 drafts.append(int(np.argmax(logits[:w])))
                 continue
@@ -41,12 +50,16 @@ class ModelDrafter:
             row[:w] = logits[:w]
             q[i] = warp(row, params)
             drafts.append(sample(q[i], rng))
-        return drafts, q
+        return Draft(drafts, q, self.name)
 
-    def accept(self, tokens: list[int]) -> None:
+    def observe(self, round: Round) -> None:
         # keep the committed prefix the draft has evaluated; the newest token is fed next round
-        if not self.backend.truncate(min(self.backend.n_past, len(tokens) - 1)):
-            raise BackendError(f"draft model {self.backend.path.name} cannot cut its KV cache")
+        be = self.backend
+        if not be.truncate(min(be.n_past, len(round.tokens) - 1)):
+            raise BackendError(f"draft model {be.path.name} cannot cut its KV cache")
+
+    def reset(self) -> None:
+        self.backend.reset()
 
     def close(self) -> None:
         self.backend.close()

@@ -12,6 +12,10 @@ on: it is what the policy predicts acceptance from.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from . import Draft, Round
+
 N_MIN = 1
 N_MAX = 8
 RUN_MAX = 64
@@ -43,10 +47,10 @@ class NgramIndex:
                 return n, i
         return 0, -1
 
-    def lookup(self, tokens: list[int], limit: int) -> tuple[int, list[int]]:
-        """(length of the longest matching suffix, up to `limit` continuation tokens); (0, []) if none."""
+    def continuation(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest earlier match of the context's suffix."""
         n, i = self.find(tokens)
-        return (n, tokens[i + 1:i + 1 + limit]) if n else (0, [])
+        return tokens[i + 1:i + 1 + limit] if n else []
 
 
 def run_length(tokens: list[int], end: int, n: int, cap: int = RUN_MAX) -> int:
@@ -57,33 +61,45 @@ def run_length(tokens: list[int], end: int, n: int, cap: int = RUN_MAX) -> int:
     return n
 
 
+class Match(NamedTuple):
+    run: int                 # how long the copy this continuation extends has been (0: no match)
+    continuation: list[int]
+
+
 class NgramDrafter:
+    """Prompt lookup as a drafter: `gamma` tokens of the continuation each round (fixed length).
+    The auto drafter uses `match` and `outcome` to learn how far copies can be trusted."""
+
     name = "ngram"
 
-    def __init__(self, n_min: int = N_MIN, n_max: int = N_MAX):
+    def __init__(self, gamma: int = 4, n_min: int = N_MIN, n_max: int = N_MAX):
+        self.gamma = gamma
         self.index = NgramIndex(n_min, n_max)
         self.last: tuple[int, int, list[int]] | None = None  # (context length, run, proposal)
 
     def begin(self, tokens: list[int]) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.index.reset()
         self.last = None
 
-    def lookup(self, tokens: list[int], limit: int) -> tuple[int, list[int]]:
-        """(run length, up to `limit` continuation tokens); (0, []) when no suffix was seen before."""
+    def match(self, tokens: list[int], limit: int) -> Match:
+        """The run length and up to `limit` continuation tokens; Match(0, []) when the context's
+        suffix was not seen before."""
         n, i = self.index.find(tokens)
         if not n:
             self.last = None
-            return 0, []
+            return Match(0, [])
         run, cont = run_length(tokens, i, n), tokens[i + 1:i + 1 + limit]
         self.last = (len(tokens), run, cont)
-        return run, cont
+        return Match(run, cont)
 
-    def propose(self, tokens, gamma, params, rng):
-        _, cont = self.lookup(tokens, gamma)
-        return cont, None
+    def propose(self, tokens, room, params, rng) -> Draft:
+        return Draft(self.match(tokens, min(self.gamma, room)).continuation, None, self.name)
 
     def outcome(self, tokens: list[int]) -> tuple[int, int, int] | None:
-        """How the last lookup fared against what was committed since:
+        """How the last match fared against what was committed since:
         (run length, tokens matched before the first miss, tokens compared)."""
         if self.last is None:
             return None
@@ -95,7 +111,7 @@ class NgramDrafter:
         self.last = None
         return n, matched, compared
 
-    def accept(self, tokens: list[int]) -> None:
+    def observe(self, round: Round) -> None:
         pass
 
     def close(self) -> None:

@@ -1,0 +1,181 @@
+"""From settings to a running Engine: resolve the files, check the pair, fit the memory budget,
+load the backends, build the drafter, calibrate. The CLI, the benchmark, the library and the
+server all go through `Settings` and `build`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from .errors import UsageError
+from .progress import ProgressCallback, log
+
+DRAFTERS = ("auto", "model", "ngram", "none")
+CALIBRATE = ("auto", "now", "never")
+ALL_LAYERS = -1  # n_gpu_layers: offload every layer
+
+
+def check_drafter(mode) -> None:
+    if mode not in DRAFTERS:
+        raise UsageError(f"unknown drafter {mode!r}; choose one of {', '.join(DRAFTERS)}")
+
+
+def _check_int(name: str, value, low: int, high: Optional[int] = None) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)):
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise UsageError(f"{name} must be an integer {span}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that decides which models run and how. `target`: a models.toml pair name or a
+    GGUF path (None: the models file's default pair); `draft` overrides the pair's draft."""
+
+    target: Optional[str] = None
+    draft: Optional[str] = None
+    drafter: str = "auto"
+    n_ctx: int = 4096
+    threads: Optional[int] = None
+    n_gpu_layers: int = ALL_LAYERS
+    draft_n_gpu_layers: int = ALL_LAYERS
+    gamma: int = 4                     # draft length of the fixed-length drafters (model, ngram)
+    memory_budget: Union[int, str, None] = None
+    models_file: Optional[str] = None
+    verbose: bool = False              # llama.cpp's own logs
+
+    def validate(self) -> "Settings":
+        """Check every field before anything is downloaded or loaded; returns self."""
+        check_drafter(self.drafter)
+        _check_int("n_ctx (--ctx)", self.n_ctx, 16)
+        _check_int("gamma (--gamma)", self.gamma, 1, 32)
+        if self.threads is not None:
+            _check_int("threads (--threads)", self.threads, 1, 1024)
+        _check_int("n_gpu_layers", self.n_gpu_layers, -1)
+        _check_int("draft_n_gpu_layers", self.draft_n_gpu_layers, -1)
+        for name in ("target", "draft", "models_file"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, Path)):
+                raise UsageError(f"{name} must be a path or a name, got {type(v).__name__}")
+        if self.memory_budget is not None:
+            self.budget_bytes()
+        return self
+
+    def budget_bytes(self) -> Optional[int]:
+        from .memory import parse_size
+        b = self.memory_budget
+        if b is None:
+            return None
+        if isinstance(b, int) and not isinstance(b, bool):
+            if b <= 0:
+                raise UsageError(f"the memory budget must be more than zero, got {b}")
+            return b
+        return parse_size(b)
+
+    def target_name(self) -> str:
+        from .registry import load_registry
+        return str(self.target) if self.target else load_registry(self.models_file).default
+
+
+def resolve_files(settings: Settings, *, download: bool = True, progress: Optional[ProgressCallback] = None
+                  ) -> tuple[Path, Optional[Path]]:
+    """(target path, draft path or None) for these settings; the draft only when the drafter
+    wants one."""
+    from .hub import resolve
+    target, pair_draft = resolve(settings.target_name(), models_file=settings.models_file, download=download,
+                                 progress=progress)
+    draft = settings.draft or pair_draft
+    if settings.drafter not in ("auto", "model"):
+        draft = None
+    if settings.drafter == "model" and not draft:
+        raise UsageError("--drafter model needs a draft: pass --draft PATH or a pair that has one")
+    return Path(target), Path(draft) if draft else None
+
+
+def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool]:
+    """(drafter mode, keep the draft model?) that fit the budget at the wanted context size,
+    trying memory.plan's order: draft model, n-gram, plain decoding."""
+    from .memory import plan
+    budget = settings.budget_bytes()
+    choice = plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=settings.drafter, budget=budget)["choice"]
+    if choice.get("n_ctx") != settings.n_ctx:
+        raise UsageError(f"{t_info.path.name} does not fit in {budget / 2**30:.2f} GiB even without a drafter "
+                         f"at n_ctx {settings.n_ctx}: lower --ctx or raise --memory-budget (see `edgespec plan`)")
+    got = choice["drafter"]
+    wanted = "model" if d_info is not None else ("ngram" if settings.drafter in ("auto", "ngram") else "none")
+    if got != wanted:
+        log.warning("the %s drafter does not fit in %.2f GiB at n_ctx %d: using %s drafting instead",
+                    wanted, budget / 2**30, settings.n_ctx, got)
+    if settings.drafter == "auto" and got != "none":
+        return "auto", got == "model"
+    return got, got == "model"
+
+
+def build(settings: Settings, *, download: bool = True, calibrate: str = "auto",
+          progress: Optional[ProgressCallback] = None):
+    """Load the models and drafter that `settings` describe and return an Engine."""
+    from .backend import LlamaBackend
+    from .engine import Engine
+    from .ggufinfo import check_pair, read_info
+
+    settings.validate()
+    if calibrate not in CALIBRATE:
+        raise UsageError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {calibrate!r}")
+    target_path, draft_path = resolve_files(settings, download=download, progress=progress)
+    t_info = read_info(target_path)
+    d_info = read_info(draft_path) if draft_path else None
+    if draft_path:
+        check_pair(target_path, draft_path)  # before any weights are loaded
+    drafter = settings.drafter
+    if settings.memory_budget is not None:
+        drafter, keep_draft = fit_budget(settings, t_info, d_info)
+        if not keep_draft:
+            draft_path = None
+    tb = LlamaBackend(target_path, n_ctx=settings.n_ctx, n_gpu_layers=settings.n_gpu_layers,
+                      threads=settings.threads, verbose=settings.verbose)
+    db = None
+    try:
+        if drafter != "none" and not tb.can_truncate:
+            if drafter != "auto":
+                raise UsageError(f"{target_path.name} is a recurrent or hybrid model whose cache cannot be cut "
+                                 "back after a rejected draft: speculation is impossible, use --drafter none")
+            log.warning("%s is a recurrent or hybrid model; its cache cannot be cut back after a rejection, "
+                        "so it decodes without speculation", target_path.name)
+            drafter, draft_path = "none", None
+        if draft_path:
+            db = LlamaBackend(draft_path, n_ctx=settings.n_ctx, n_gpu_layers=settings.draft_n_gpu_layers,
+                              threads=settings.threads, verbose=settings.verbose)
+        return Engine(tb, make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate,
+                                       progress=progress))
+    except BaseException:
+        if db is not None:
+            db.close()
+        tb.close()
+        raise
+
+
+def make_drafter(mode: str, target, draft_backend=None, *, gamma: int = 4, calibrate: str = "auto",
+                 progress: Optional[ProgressCallback] = None):
+    """The drafter object for a mode, over loaded backends."""
+    from .drafters.auto import AutoDrafter
+    from .drafters.model import ModelDrafter
+    from .drafters.ngram import NgramDrafter
+    n_vocab = max(target.n_vocab, draft_backend.n_vocab) if draft_backend is not None else target.n_vocab
+    model = ModelDrafter(draft_backend, n_vocab, gamma) if draft_backend is not None else None
+    if mode == "none":
+        return None
+    if mode == "model":
+        return model
+    if mode == "ngram":
+        return NgramDrafter(gamma)
+    return AutoDrafter(make_policy(target, draft_backend, calibrate=calibrate, progress=progress),
+                       NgramDrafter(), model)
+
+
+def make_policy(target, draft_backend=None, *, calibrate: str = "auto", progress=None):
+    from .calibrate import cached, load_or_measure, provisional
+    from .policy import Policy
+    if calibrate == "never":
+        costs = cached(target, draft_backend) or provisional(target, draft_backend)
+    else:
+        costs = load_or_measure(target, draft_backend, force=calibrate == "now", progress=progress)
+    return Policy(costs)

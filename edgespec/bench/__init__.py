@@ -1,0 +1,227 @@
+"""Benchmark edgespec against plain decoding, measured in the same run on the same loaded target.
+
+For every workload prompt (chat template applied) it times the decode phase of plain greedy
+decoding and of speculative decoding, checks that the two produced the same tokens, and
+reports per kind: tokens/s, acceptance and the ratio to plain. With --acceptance it also
+measures, at temperature 1, exact speculative sampling's acceptance against "sample from p
+and compare with the draft's argmax" (what llama.cpp's server and llama-cpp-python do).
+With a calibrated target it also reports, per prompt, the prompt-lookup ceiling: the
+speed-up that the n-gram drafter would give if every round's draft length were chosen
+knowing the output in advance (costs from the calibration). No policy can beat it.
+Writes JSON and prints a table.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..errors import UsageError
+from ..sampling import SamplingParams
+from .ceiling import copy_ceiling
+from .peers import ArgmaxDrafts, LookupPeer
+from .report import format_table, plot, summarize
+from .workloads import default_workloads, load_workloads
+
+MODES = ("auto", "model", "ngram", "lookup-peer")
+
+
+@dataclass(frozen=True)
+class Options:
+    workloads: Optional[str] = None      # None: the packaged workloads/prompts.jsonl
+    kinds: Optional[str] = None
+    limit: Optional[int] = None
+    bench_tokens: int = 128
+    trials: int = 1
+    modes: tuple[str, ...] = ("auto",)
+    sweep: tuple[int, ...] = ()
+    acceptance: bool = False
+    out: str = "bench-results/bench.json"
+
+    def validate(self) -> "Options":
+        if self.bench_tokens < 1 or self.trials < 1:
+            raise UsageError("--bench-tokens and --trials must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise UsageError("--limit must be >= 1")
+        bad = [m for m in self.modes if m not in MODES]
+        if bad:
+            raise UsageError(f"unknown bench mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
+        if any(not 1 <= g <= 32 for g in self.sweep):
+            raise UsageError(f"--sweep draft lengths must be in 1..32, got {list(self.sweep)}")
+        return self
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--workloads", default=None, metavar="FILE",
+                   help="JSONL of {id, kind, prompt} (default: the workloads shipped with edgespec)")
+    p.add_argument("--kinds", default=None, metavar="K1,K2", help="only these kinds")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per kind")
+    p.add_argument("--bench-tokens", type=int, default=128, metavar="N", help="tokens per generation (default 128)")
+    p.add_argument("--trials", type=int, default=1, metavar="N", help="timed repetitions per prompt (default 1)")
+    p.add_argument("--modes", default="auto", metavar="M1,M2",
+                   help="what to compare with plain decoding: " + ", ".join(MODES) + " (default auto); "
+                   "lookup-peer is llama-cpp-python's own LlamaPromptLookupDecoding")
+    p.add_argument("--sweep", default=None, metavar="G1,G2",
+                   help="also run the n-gram drafter at these fixed draft lengths (for the chart)")
+    p.add_argument("--acceptance", action="store_true",
+                   help="also measure T=1 acceptance of the draft model: exact sampling vs draft-argmax matching")
+    p.add_argument("--out", default="bench-results/bench.json", metavar="FILE",
+                   help="JSON output; a PNG chart is written beside it when matplotlib is installed")
+
+
+def options_from_args(args) -> Options:
+    try:
+        sweep = tuple(int(g) for g in args.sweep.split(",")) if args.sweep else ()
+    except ValueError:
+        raise UsageError(f"--sweep takes draft lengths like 1,2,4,8, got {args.sweep!r}") from None
+    return Options(workloads=args.workloads, kinds=args.kinds, limit=args.limit, bench_tokens=args.bench_tokens,
+                   trials=args.trials, modes=tuple(m for m in (args.modes or "").split(",") if m), sweep=sweep,
+                   acceptance=args.acceptance, out=args.out).validate()
+
+
+def _run(engine, prompt_tokens, n, params, seed=None):
+    # from nothing every time: a reused prompt prefix would change the last bits of the KV
+    # values (and so, at near-ties, which token greedy decoding picks), and trials of one
+    # prompt must not learn from each other
+    engine.reset()
+    r = engine.generate(prompt_tokens, max_tokens=n, temperature=params.temperature, seed=seed)
+    return r.tokens, r.stats
+
+
+def _timed_run(runner, prompt_tokens, n, params):
+    """(tokens, decode tokens/s, stats or None) for an edgespec engine or the lookup peer."""
+    if isinstance(runner, LookupPeer):
+        out, speed = runner.run(prompt_tokens, n)
+        return out, speed, None
+    out, st = _run(runner, prompt_tokens, n, params)
+    return out, st.tokens_per_second, st
+
+
+def _engines(main, modes, sweep, gamma):
+    """One engine per mode, all over the main engine's loaded backends."""
+    from ..assemble import make_drafter
+    from ..drafters.ngram import NgramDrafter
+    from ..engine import Engine
+    auto = main.drafter
+    model = getattr(auto, "model", None)
+    out = {}
+    for m in modes:
+        if m == "auto":
+            out[m] = main
+        elif m == "model" and model is not None:
+            out[m] = Engine(main.target, make_drafter("model", main.target, model.backend, gamma=gamma))
+        elif m == "ngram":
+            out[m] = Engine(main.target, NgramDrafter(gamma))
+    for g in sweep:
+        out[f"ngram-g{g}"] = Engine(main.target, NgramDrafter(g))
+    return out
+
+
+def _compare(row, results, ref):
+    """Each mode's output against plain decoding's, and its drafting figures."""
+    for name, (out, speed, st) in results.items():
+        if name == "plain":
+            continue
+        parted = next((j for j, (a, c) in enumerate(zip(out, ref)) if a != c),
+                      None if len(out) == len(ref) else min(len(out), len(ref)))
+        m = row["modes"][name] = dict(identical=parted is None, first_divergence=parted, generated=len(out))
+        if st is not None:
+            m.update(drafted=st.drafted, accepted=st.accepted, acceptance=st.acceptance_rate,
+                     by_drafter=st.by_drafter, accept_histogram=st.accept_histogram,
+                     target_forwards=st.target_forwards, costs=st.costs)
+
+
+def _ratios(row, tps):
+    row["plain_tps"] = statistics.median(tps["plain"])
+    for name, vals in tps.items():
+        if name != "plain":
+            m = row["modes"][name]
+            m["tps"] = statistics.median(vals)
+            # paired: each trial's ratio to the plain run beside it, then the median
+            m["ratio"] = statistics.median(v / p for v, p in zip(vals, tps["plain"]) if p > 0)
+
+
+def _acceptance(main, ptoks, n, gamma, seed) -> dict:
+    """T = 1 acceptance of the draft model: exact min(1, p/q) sampling vs argmax matching."""
+    from ..assemble import make_drafter
+    from ..engine import Engine
+    model = make_drafter("model", main.target, main.drafter.model.backend, gamma=gamma)
+    t1 = SamplingParams(1.0)
+    _, se = _run(Engine(main.target, model), ptoks, n, t1, seed=seed)
+    _, sa = _run(Engine(main.target, ArgmaxDrafts(model)), ptoks, n, t1, seed=seed)
+    return dict(t1_exact_acceptance=se.acceptance_rate, t1_argmax_acceptance=sa.acceptance_rate)
+
+
+def main(settings, opts: Options, progress=None) -> int:
+    """Run the benchmark that `opts` describes on the models of `settings`; print the table."""
+    from ..assemble import build
+    from ..engine import Engine
+
+    items = load_workloads(opts.workloads or str(default_workloads()), opts.kinds, opts.limit)
+    if settings.memory_budget is not None:
+        from .memory import memory_bench
+        return memory_bench(settings, opts, items)
+    spec = build(settings, progress=progress)
+    with spec:
+        plain = Engine(spec.target, None)
+        engines = _engines(spec, opts.modes, opts.sweep, settings.gamma)
+        peer = (LookupPeer(spec.target.path, spec.target.n_ctx, spec.target.threads)
+                if "lookup-peer" in opts.modes else None)
+        try:
+            rows = _measure(spec, plain, engines, peer, items, opts)
+        finally:
+            if peer:
+                peer.close()
+        policy = getattr(spec.drafter, "policy", None)
+        model = getattr(spec.drafter, "model", None)
+        report = {"target": str(spec.target.path), "draft": str(model.backend.path) if model else None,
+                  "gamma": settings.gamma, "threads": spec.target.threads, "bench_tokens": opts.bench_tokens,
+                  "trials": opts.trials, "calibration": list(policy.costs.verify) if policy else None,
+                  "rows": rows, "by_kind": summarize(rows)}
+    out = Path(opts.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(format_table(report["by_kind"]))
+    print(f"\nJSON: {out}")
+    png = plot(report, out.with_suffix(".png"))
+    if png:
+        print(f"chart: {png}")
+    return 0
+
+
+def _measure(spec, plain, engines, peer, items, opts) -> list[dict]:
+    greedy = SamplingParams(0.0)
+    policy = getattr(spec.drafter, "policy", None)
+    prompts = [spec.chat_tokens([{"role": "user", "content": it["prompt"]}]) for it in items]
+    runners = [("plain", plain), *engines.items()] + ([("lookup-peer", peer)] if peer else [])
+    for _, eng in runners:  # warm-up: page in, build kernels
+        _timed_run(eng, prompts[0], 8, greedy)
+    rows = []
+    t_start = time.perf_counter()
+    for i, (it, ptoks) in enumerate(zip(items, prompts), 1):
+        row = {"id": it["id"], "kind": it["kind"], "prompt_tokens": len(ptoks), "modes": {}}
+        tps: dict[str, list[float]] = {name: [] for name, _ in runners}
+        for t in range(opts.trials):
+            # rotate the order every trial, so that no mode always runs first or last
+            k = t % len(runners)
+            results = {name: _timed_run(eng, ptoks, opts.bench_tokens, greedy)
+                       for name, eng in runners[k:] + runners[:k]}
+            ref = results["plain"][0]
+            if t == 0 and policy is not None:  # greedy from nothing: the same ref every trial
+                row["ngram_ceiling"] = copy_ceiling(policy.costs, ptoks, ref)
+            for name, (_, speed, _) in results.items():
+                tps[name].append(speed)
+            _compare(row, results, ref)
+        _ratios(row, tps)
+        if opts.acceptance and getattr(spec.drafter, "model", None) is not None:
+            row.update(_acceptance(spec, ptoks, opts.bench_tokens, 4, seed=i))
+        rows.append(row)
+        eta = (time.perf_counter() - t_start) / i * (len(items) - i)
+        ratios = "  ".join(f"{k} x{m['ratio']:.2f}{'' if m['identical'] else '*'}" for k, m in row["modes"].items())
+        print(f"[{i}/{len(items)}] {it['id']:<20} plain {row['plain_tps']:5.1f} tok/s  {ratios}  (eta {eta:.0f}s)",
+              file=sys.stderr, flush=True)
+    return rows

@@ -1,0 +1,88 @@
+"""Per-kind summaries, the Markdown table and the chart of a benchmark run."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+
+def summarize(rows: list[dict]) -> dict:
+    kinds: dict[str, list[dict]] = {}
+    for r in rows:
+        kinds.setdefault(r["kind"], []).append(r)
+    out = {}
+    for kind, rs in kinds.items():
+        plain = statistics.mean(r["plain_tps"] for r in rs)
+        d = {"prompts": len(rs), "plain_tps": plain, "modes": {}}
+        for name in rs[0]["modes"]:
+            ms = [r["modes"][name] for r in rs]
+            d["modes"][name] = {
+                "tps": statistics.mean(m["tps"] for m in ms),
+                "ratio": statistics.mean(m["ratio"] for m in ms),  # of the per-prompt paired ratios
+                "acceptance": (sum(m.get("accepted", 0) for m in ms) / max(1, sum(m.get("drafted", 0) for m in ms))),
+                "identical": f"{sum(m['identical'] for m in ms)}/{len(ms)}"}
+        if "ngram_ceiling" in rs[0]:
+            d["ngram_ceiling"] = statistics.mean(r["ngram_ceiling"] for r in rs)
+        if "t1_exact_acceptance" in rs[0]:
+            d["t1_exact_acceptance"] = statistics.mean(r["t1_exact_acceptance"] for r in rs)
+            d["t1_argmax_acceptance"] = statistics.mean(r["t1_argmax_acceptance"] for r in rs)
+        out[kind] = d
+    return out
+
+
+def format_table(summary: dict) -> str:
+    lines = ["| kind | mode | tok/s | plain tok/s | ratio | acceptance (T=0) | T=0 identical to plain |",
+             "|---|---|---|---|---|---|---|"]
+    for kind, d in summary.items():
+        for name, m in d["modes"].items():
+            acc = f"{m['acceptance']:.2f}" if name != "lookup-peer" else "-"
+            lines.append(f"| {kind} | {name} | {m['tps']:.1f} | {d['plain_tps']:.1f} | {m['ratio']:.2f}x | "
+                         f"{acc} | {m['identical']} |")
+    if any("ngram_ceiling" in d for d in summary.values()):
+        lines += ["", "| kind | prompt-lookup ceiling: hindsight-best draft lengths, calibrated costs |", "|---|---|"]
+        for kind, d in summary.items():
+            lines.append(f"| {kind} | {d['ngram_ceiling']:.2f}x |")
+    if any("t1_exact_acceptance" in d for d in summary.values()):
+        lines += ["", "| kind | T=1 acceptance, exact min(1, p/q) | T=1 acceptance, argmax match |", "|---|---|---|"]
+        for kind, d in summary.items():
+            lines.append(f"| {kind} | {d['t1_exact_acceptance']:.2f} | {d['t1_argmax_acceptance']:.2f} |")
+    return "\n".join(lines)
+
+
+def _pyplot():
+    """matplotlib's pyplot drawing to files, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """Tokens/s against n-gram draft length per kind (from --sweep), plain and auto as lines."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    by_kind = report["by_kind"]
+    sweep = sorted({int(k[7:]) for d in by_kind.values() for k in d["modes"] if k.startswith("ngram-g")})
+    if not sweep:
+        return None
+    fig, axes = plt.subplots(1, len(by_kind), figsize=(4 * len(by_kind), 3.4), sharey=True)
+    for ax, (kind, d) in zip(np.atleast_1d(axes), by_kind.items()):
+        ax.plot(sweep, [d["modes"][f"ngram-g{g}"]["tps"] for g in sweep], "o-", label="n-gram, fixed length")
+        ax.axhline(d["plain_tps"], color="gray", ls="--", label="plain decoding")
+        if "auto" in d["modes"]:
+            ax.axhline(d["modes"]["auto"]["tps"], color="green", ls=":", label="auto")
+        ax.set_xscale("log", base=2)
+        ax.set_title(kind)
+        ax.set_xlabel("draft length")
+    np.atleast_1d(axes)[0].set_ylabel("decode tokens/s")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+

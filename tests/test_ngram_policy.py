@@ -10,7 +10,6 @@ from edgespec.drafters.ngram import RUN_MAX, NgramDrafter, NgramIndex, run_lengt
 from edgespec.engine import Engine
 from edgespec.policy import (MIN_OBSERVATIONS, Acceptance, CopyAcceptance, Costs, Policy, best_gamma,
                              best_length, expected_tokens)
-from edgespec.sampling import SamplingParams
 
 from fakes import FakeBackend
 
@@ -28,9 +27,9 @@ def test_lookup_continues_the_longest_most_recent_match():
     idx = NgramIndex()
     toks = [5, 6, 7, 8, 9, 1, 6, 7, 3, 5, 6, 7]
     # suffix 5 6 7 occurs at 0..2 (continues 8 9); 6 7 alone occurs later at 6..7 (continues 3)
-    assert idx.lookup(toks, 3) == (3, [8, 9, 1])
-    assert NgramIndex().lookup([1, 2, 3], 4) == (0, [])  # nothing repeats
-    assert NgramIndex().lookup([4, 4], 5) == (1, [4])    # continuation stops at the context end
+    assert idx.find(toks) == (3, 2) and idx.continuation(toks, 3) == [8, 9, 1]
+    assert NgramIndex().continuation([1, 2, 3], 4) == []  # nothing repeats
+    assert NgramIndex().continuation([4, 4], 5) == [4]    # continuation stops at the context end
 
 
 def test_incremental_index_agrees_with_brute_force_search():
@@ -40,13 +39,14 @@ def test_incremental_index_agrees_with_brute_force_search():
     for step in range(600):
         toks.extend(rng.choice([[rng.randrange(5)], [rng.randrange(30)] * 2, toks[-6:] or [1]]))
         if step % 3 == 0:
-            assert idx.lookup(toks, 7) == brute_force(toks, 7), step
+            n, cont = brute_force(toks, 7)
+            assert idx.find(toks)[0] == n and idx.continuation(toks, 7) == cont, step
 
 
 def test_index_work_per_new_token_is_bounded():
     idx = NgramIndex(n_max=8)
     toks = list(range(8000))
-    idx.lookup(toks, 4)
+    idx.continuation(toks, 4)
 
     class CountingDict(dict):
         sets = 0
@@ -56,7 +56,7 @@ def test_index_work_per_new_token_is_bounded():
             super().__setitem__(k, v)
     idx.last_end = CountingDict(idx.last_end)
     toks.append(3)
-    idx.lookup(toks, 4)
+    idx.continuation(toks, 4)
     assert CountingDict.sets == 8  # one entry per n-gram length, not a rescan of 8,000 tokens
 
 
@@ -64,7 +64,7 @@ def test_outcome_scores_the_last_proposal_against_committed_tokens():
     d = NgramDrafter()
     toks = [1, 2, 3, 4, 1, 2]
     d.begin(toks)
-    assert d.lookup(toks, 3) == (2, [3, 4, 1])
+    assert d.match(toks, 3) == (2, [3, 4, 1])
     assert d.outcome(toks + [3, 4, 9]) == (2, 2, 3)
     assert d.outcome(toks) is None  # consumed
 
@@ -74,7 +74,7 @@ def test_run_length_extends_the_match_backwards_past_the_index_and_is_capped():
     toks = [1] + passage + [7, 8] + passage[:15]
     d = NgramDrafter()
     d.begin(toks)
-    run, cont = d.lookup(toks, 4)
+    run, cont = d.match(toks, 4)
     assert run == 15 and cont == passage[15:19]  # the index matched 8; the copy is 15 long
     toks = list(range(200)) + [5] + list(range(200))
     assert run_length(toks, 199, 8) == RUN_MAX
@@ -160,18 +160,17 @@ def test_no_speculation_before_any_evidence():
 
 
 def test_ngram_and_auto_at_t0_equal_plain_exactly_on_the_fake():
+    from edgespec.drafters.auto import AutoDrafter
     rng = np.random.default_rng(0)
     table = rng.normal(0, 2, (6, 6)).astype(np.float32)
     prompt = [0, 1, 2, 3, 4, 5, 0, 1, 2]
-    greedy = SamplingParams(0.0)
-    plain = [t for t, _ in Engine(FakeBackend(table)).generate_tokens(prompt, 100, greedy)]
-    eng = Engine(FakeBackend(table), ngram=NgramDrafter(), gamma=6)
-    assert [t for t, _ in eng.generate_tokens(prompt, 100, greedy)] == plain
-    assert eng.last_stats.accepted > 10
+    plain = Engine(FakeBackend(table)).generate(prompt, max_tokens=100).tokens
+    r = Engine(FakeBackend(table), NgramDrafter(gamma=6)).generate(prompt, max_tokens=100)
+    assert r.tokens == plain and r.stats.accepted > 10
     costs = Costs(verify=tuple(0.035 + 0.001 * k for k in range(1, 33)))
-    auto = Engine(FakeBackend(table), ngram=NgramDrafter(), policy=Policy(costs))
-    assert [t for t, _ in auto.generate_tokens(prompt, 100, greedy)] == plain
-    assert auto.last_stats.by_drafter["ngram"]["accepted"] > 10
+    r = Engine(FakeBackend(table), AutoDrafter(Policy(costs))).generate(prompt, max_tokens=100)
+    assert r.tokens == plain
+    assert sum(v["accepted"] for k, v in r.stats.by_drafter.items() if k != "none") > 10
 
 
 def test_calibration_is_cached_and_invalidated_when_model_or_settings_change(tmp_path, monkeypatch):
@@ -188,19 +187,19 @@ def test_calibration_is_cached_and_invalidated_when_model_or_settings_change(tmp
         calls.append(1)
         return real(*a, max_rows=4, reps=1, **{k: v for k, v in kw.items() if k != "progress"})
     monkeypatch.setattr(calibrate, "measure", counting)
-    c1 = calibrate.load_or_measure(fb, quiet=True)
-    c2 = calibrate.load_or_measure(fb, quiet=True)
+    c1 = calibrate.load_or_measure(fb)
+    c2 = calibrate.load_or_measure(fb)
     assert len(calls) == 1 and c1 == c2 and len(c1.verify) == 4
     fb.settings = {"n_ctx": 1024}                         # the context size alone: same figures
-    calibrate.load_or_measure(fb, quiet=True)
+    calibrate.load_or_measure(fb)
     assert len(calls) == 1
     fb.settings = {"n_ctx": 512, "threads": 7}            # another setting: measure again
-    calibrate.load_or_measure(fb, quiet=True)
+    calibrate.load_or_measure(fb)
     assert len(calls) == 2
     model.write_bytes(b"GGUF another model")              # another file: measure again
-    calibrate.load_or_measure(fb, quiet=True)
+    calibrate.load_or_measure(fb)
     assert len(calls) == 3
-    calibrate.load_or_measure(fb, quiet=True, force=True)  # `edgespec calibrate`
+    calibrate.load_or_measure(fb, force=True)  # `edgespec calibrate`
     assert len(calls) == 4
     files = list((tmp_path / "cache" / "calibration").glob("*.json"))
     assert len(files) == 3 and all("verify" in json.loads(f.read_text()) for f in files)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -13,16 +14,58 @@ else:  # pragma: no cover
 
 from .errors import RegistryError
 
-BUILTIN = Path(__file__).resolve().parent.parent / "models.toml"
-if not BUILTIN.exists():  # installed as a package: the copy shipped inside it
-    BUILTIN = Path(__file__).resolve().parent / "models.toml"
+_PACKAGE = Path(__file__).resolve().parent
+_CHECKOUT = _PACKAGE.parent
+_PACKAGED = _PACKAGE / "_data"  # setup.py copies the top-level files here when it builds a wheel
+
+
+def _shipped(relative: str) -> Path:
+    """A file kept at the repository's top level: that one in a checkout (and in an editable
+    install), else the copy inside the installed package."""
+    if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / relative).is_file():
+        return _CHECKOUT / relative
+    return _PACKAGED / relative
+
+
+BUILTIN = _shipped("models.toml")
 ENV_USER_FILE = "EDGESPEC_MODELS"
+
+
+def workloads_path() -> Path:
+    """The default benchmark prompts (workloads/prompts.jsonl)."""
+    return _shipped("workloads/prompts.jsonl")
 
 
 def cache_dir() -> Path:
     """Where edgespec keeps its own files (mirror downloads, calibration)."""
     root = os.environ.get("EDGESPEC_CACHE") or Path.home() / ".cache" / "edgespec"
     return Path(root)
+
+
+_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def _inside(path: str) -> bool:
+    """True for a non-empty relative path that stays where it is put: no root, drive or '..'."""
+    win = PureWindowsPath(path)  # splits on both separators, knows drives: the strictest reading
+    return bool(path) and not (win.drive or win.root) and ".." not in win.parts
+
+
+def _problem(key: str, value: object) -> str | None:
+    """What is wrong with one field of a model entry, or None."""
+    if key == "repo" and not (isinstance(value, str) and _REPO.fullmatch(value) and ".." not in value):
+        return f"is {value!r}; it must be a Hub repository id of the form owner/name"
+    if key == "file" and not (isinstance(value, str) and _inside(value)):
+        # the file name becomes a path under the model caches: it must not lead out of them
+        return f"is {value!r}; it must be a relative path inside the repository, without '..'"
+    if key == "revision" and not (isinstance(value, str) and _inside(value)):
+        return f"is {value!r}; it must be a branch, tag or commit name (a string, without '..')"
+    if key == "sha256" and value is not None and not (isinstance(value, str) and _SHA256.fullmatch(value)):
+        return f"is {value!r}; it must be a string of 64 hexadecimal digits"
+    if key == "size" and value is not None and (type(value) is not int or value <= 0):
+        return f"is {value!r}; it must be a positive whole number of bytes"
+    return None
 
 
 @dataclass(frozen=True)
@@ -33,6 +76,14 @@ class ModelSpec:
     sha256: str | None = None
     size: int | None = None
     mirrors: tuple[dict, ...] = ()
+
+    def __post_init__(self):
+        # also checked here, not only when reading a models file: `file` and `revision` become
+        # cache paths, so a spec built in code must not point outside the caches either
+        for key in ("repo", "file", "revision", "sha256", "size"):
+            problem = _problem(key, getattr(self, key))
+            if problem:
+                raise RegistryError(f"model {key} {problem}")
 
     @property
     def mirror_path(self) -> Path:
@@ -62,30 +113,42 @@ class Registry:
 
 
 def _read_toml(path: Path) -> dict:
+    if path.is_dir():  # checked first: opening a folder fails differently on each system
+        raise RegistryError(f"models file {path} is a folder, not a models.toml file: "
+                            "name the file itself")
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise RegistryError(f"models file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise RegistryError(f"models file {path} is not valid UTF-8 text (byte {exc.start}): "
+                            "save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise RegistryError(f"malformed models file {path}: {exc}") from None
+    except OSError as exc:
+        raise RegistryError(f"cannot read models file {path}: {exc.strerror}") from None
 
 
 def _model(path: Path, pair: str, role: str, raw: object) -> ModelSpec:
     where = f"{path}: pairs.{pair}.{role}"
     if not isinstance(raw, dict):
         raise RegistryError(f"{where} must be a table with repo and file")
-    missing = [k for k in ("repo", "file") if not isinstance(raw.get(k), str)]
+    missing = [k for k in ("repo", "file") if k not in raw]
     if missing:
         raise RegistryError(f"{where} lacks {', '.join(missing)}")
     known = {"repo", "file", "revision", "sha256", "size", "mirrors"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise RegistryError(f"{where} has unknown keys {unknown}; allowed: {sorted(known)}")
+    for key in ("repo", "file", "revision", "sha256", "size"):
+        problem = _problem(key, raw.get(key, "main" if key == "revision" else None))
+        if problem:
+            raise RegistryError(f"{where}.{key} {problem}; fix it in that file")
     mirrors = raw.get("mirrors", [])
     if not isinstance(mirrors, list) or not all(isinstance(m, dict) for m in mirrors):
         raise RegistryError(f"{where}.mirrors must be a list of tables")
-    return ModelSpec(repo=raw["repo"], file=raw["file"], revision=str(raw.get("revision", "main")),
+    return ModelSpec(repo=raw["repo"], file=raw["file"], revision=raw.get("revision", "main"),
                      sha256=raw.get("sha256"), size=raw.get("size"), mirrors=tuple(mirrors))
 
 

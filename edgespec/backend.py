@@ -50,6 +50,9 @@ def default_threads() -> int:
     return max(1, n or os.cpu_count() or 1)
 
 
+ALL_GPU_LAYERS = 2**31 - 1  # what n_gpu_layers = -1 means: llama.cpp caps it at the model's layers
+
+
 def gpu_offload_supported() -> bool:
     return bool(_llama().llama_supports_gpu_offload())
 
@@ -63,7 +66,7 @@ class LlamaBackend:
         set_verbose(verbose)
         self.path = Path(path)
         mparams = L.llama_model_default_params()
-        mparams.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
+        mparams.n_gpu_layers = ALL_GPU_LAYERS if n_gpu_layers < 0 else n_gpu_layers
         self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelFileError(f"llama.cpp could not load {self.path}: the file is damaged or "

@@ -335,10 +335,11 @@ def _setup_plan(sub) -> None:
 
 
 def _gpu_layers(n: int) -> int:
-    from .backend import gpu_offload_supported
+    """Layers that will really be offloaded: none on a CPU-only build."""
+    from .backend import ALL_GPU_LAYERS, gpu_offload_supported
     if not gpu_offload_supported() or n == 0:
         return 0
-    return 10**6 if n < 0 else n
+    return ALL_GPU_LAYERS if n < 0 else n
 
 
 def cmd_plan(args) -> int:
@@ -360,10 +361,12 @@ def cmd_plan(args) -> int:
     print(f"budget {result['budget_bytes'] / 2**30:.2f} GiB" + ("" if budget else " (available RAM)"))
     print(f"{'drafter':<8} {'n_ctx':>6} {'estimate':>10}  fits")
     for c in result["configs"]:
-        print(f"{c['drafter']:<8} {c['n_ctx']:>6} {c['estimated_bytes'] / 2**30:>8.2f} GiB  {'yes' if c['fits'] else 'no'}")
+        fits = "yes" if c["fits"] else "no"
+        print(f"{c['drafter']:<8} {c['n_ctx']:>6} {c['estimated_bytes'] / 2**30:>8.2f} GiB  {fits}")
     ch = result["choice"]
     if "drafter" in ch:
-        print(f"choice: {ch['drafter']} at n_ctx {ch['n_ctx']} ({ch['estimated_bytes'] / 2**30:.2f} GiB): {ch['reason']}")
+        print(f"choice: {ch['drafter']} at n_ctx {ch['n_ctx']} ({ch['estimated_bytes'] / 2**30:.2f} GiB): "
+              f"{ch['reason']}")
     else:
         print(f"choice: none - {ch['reason']}")
     return 0
@@ -386,7 +389,8 @@ def cmd_doctor(args) -> int:
               "backend": ("CUDA" if "CUDA" in info else "Metal" if "METAL" in info.upper() else
                           "GPU" if gpu_offload_supported() else "CPU"),
               "system_info": info, "threads_default": default_threads(), "cpu_count": psutil.cpu_count(),
-              "ram_total_bytes": psutil.virtual_memory().total, "ram_available_bytes": psutil.virtual_memory().available,
+              "ram_total_bytes": psutil.virtual_memory().total,
+              "ram_available_bytes": psutil.virtual_memory().available,
               "hf_cache": str(hf_cache_dir()), "edgespec_cache": str(cache_dir()),
               "pairs_cached": cached, "calibrations": len(calib)}
     if args.json:
@@ -395,7 +399,8 @@ def cmd_doctor(args) -> int:
     print(f"edgespec {report['edgespec']}, Python {report['python']}, llama-cpp-python {report['llama_cpp_python']}")
     print(f"backend: {report['backend']} (GPU offload {'supported' if report['gpu_offload'] else 'not in this build'})")
     print(f"threads: {report['threads_default']} by default, {report['cpu_count']} logical CPUs")
-    print(f"RAM: {report['ram_total_bytes'] / 2**30:.1f} GiB total, {report['ram_available_bytes'] / 2**30:.1f} GiB available")
+    print(f"RAM: {report['ram_total_bytes'] / 2**30:.1f} GiB total, "
+          f"{report['ram_available_bytes'] / 2**30:.1f} GiB available")
     print(f"caches: {report['hf_cache']} (Hub), {report['edgespec_cache']} (mirrors, calibration)")
     print("pairs downloaded: " + (", ".join(n for n, ok in cached.items() if ok) or "none"))
     print(f"calibrations: {len(calib)}")

@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .drafters import NO_DRAFT, Round
-from .errors import BackendError, EngineClosedError, UsageError
+from .errors import BackendError, DamagedModelError, EngineClosedError, UsageError
 from .sampling import SamplingParams, verify, verify_greedy, warp
 
 FINISH_REASONS = ("eos", "length", "stop", "context", "cancelled")
@@ -60,8 +60,9 @@ class GenerationStats:
         if self.drafted:
             s += f", accepted {self.accepted}/{self.drafted} ({100 * self.acceptance_rate:.0f}%)"
         if self.drafter == "auto":
-            s += " [" + ", ".join(f"{k}: {v['rounds']} rounds" + (f" {v['accepted']}/{v['drafted']}" if v["drafted"] else "")
-                                  for k, v in sorted(self.by_drafter.items())) + "]"
+            parts = (f"{k}: {v['rounds']} rounds" + (f" {v['accepted']}/{v['drafted']}" if v["drafted"] else "")
+                     for k, v in sorted(self.by_drafter.items()))
+            s += " [" + ", ".join(parts) + "]"
         if self.finish_reason == "cancelled":
             s += ", cancelled"
         return s
@@ -474,8 +475,8 @@ class Engine:
 
     def _check_finite(self, logits: np.ndarray) -> None:
         if len(logits) and not np.isfinite(logits.max(axis=1)).all():
-            raise BackendError(f"{self.target.path.name} produced non-finite logits (NaN): the file is damaged; "
-                               "download it again")
+            raise DamagedModelError(f"{self.target.path.name} produced non-finite logits (NaN): the file is damaged; "
+                                    "download it again")
 
     def _loop(self, prompt_tokens: list[int], max_tokens: int, params: SamplingParams, seed, stats, holder
               ) -> Iterator[tuple[int, bool]]:

@@ -49,3 +49,9 @@ class ChecksumError(DownloadError):
 
 class EngineClosedError(UsageError):
     """A method was called on an Engine after close()."""
+
+
+class DamagedModelError(BackendError):
+    """The weights gave non-finite logits: the file is damaged past its header (bad input)."""
+
+    exit_code = 2

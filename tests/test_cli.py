@@ -79,6 +79,15 @@ def test_draft_with_another_vocabulary_is_refused(smol, gemma, capsys):
     (["--drafter", "telepathy"], "unknown drafter 'telepathy'"),
     (["--max-tokens", "0"], "--max-tokens must be"),
     (["--temperature", "warm"], "invalid float value"),
+    (["--temperature", "1e-46"], "temperature must be 0 (greedy) or a number >= 1e-06"),
+    (["--seed", "-1"], "seed must be an integer in 0..2**64-1"),
+    (["--ctx", "8"], "n_ctx (--ctx) must be an integer >= 16"),
+    (["--gamma", "0"], "gamma (--gamma) must be an integer in 1..32"),
+    (["--threads", "0"], "threads (--threads) must be"),
+    (["--memory-budget", "big"], "cannot read the size 'big'"),
+    (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8"),
+    (["--system", "\udcff"], "--system is not valid UTF-8"),
+    (["--stop", "\udcff"], "--stop is not valid UTF-8"),
 ])
 def test_bad_sampling_flags(smol, capsys, flags, fragment):
     code, _, err = run_cli(["run", "--target", str(smol), "--prompt", "hi", *flags], capsys)
@@ -138,8 +147,10 @@ def test_bench_measures_modes_beside_plain_decoding_in_one_run(smol, smol_draft,
     assert code == 0, err
     report = json.loads(out.read_text())
     assert [r["id"] for r in report["rows"]] == ["e1", "c1"] and report["trials"] == 2
+    # renaming a function copies the rest of the code: in hindsight drafting it pays
+    assert report["rows"][0]["ngram_ceiling"] > 1.0
     for r in report["rows"]:
-        assert r["plain_tps"] > 0 and r["ngram_ceiling"] >= 1.0
+        assert r["plain_tps"] > 0
         assert set(r["modes"]) == {"auto", "ngram", "lookup-peer"}
         for m in r["modes"].values():
             assert m["tps"] > 0 and m["ratio"] > 0 and isinstance(m["identical"], bool)
@@ -148,8 +159,32 @@ def test_bench_measures_modes_beside_plain_decoding_in_one_run(smol, smol_draft,
     assert "| edit | auto |" in stdout and "prompt-lookup ceiling" in stdout
 
 
+def test_weights_damaged_past_the_header_are_one_line_naming_the_file(smol, tmp_path, capsys):
+    data = bytearray(smol.read_bytes())
+    # the header (vocabulary, tensor table) stays intact; the tensor data become 0xFF: NaN scales
+    start = len(data) // 3
+    data[start:] = b"\xff" * (len(data) - start)
+    bad = tmp_path / "damaged.gguf"
+    bad.write_bytes(bytes(data))
+    for temperature in ("0", "0.8"):
+        code, _, err = run_cli(["run", "--target", str(bad), "--drafter", "none", "--prompt", "hi",
+                                "--max-tokens", "4", "--temperature", temperature], capsys)
+        assert_usage_error(code, err, "damaged.gguf", "non-finite logits")
+
+
+def test_invalid_utf8_on_stdin_is_one_line(smol):
+    proc = subprocess.run([sys.executable, "-m", "edgespec", "run", "--target", str(smol), "--raw"],
+                          input=b"caf\xe9 au lait\n", cwd=ROOT, capture_output=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.decode()
+    assert err.strip() == "edgespec: error: the prompt on stdin is not UTF-8 text"
+
+
 def test_bench_bad_arguments(smol, capsys):
     code, _, err = run_cli(["bench", "--target", str(smol), "--modes", "auto,warp"], capsys)
     assert_usage_error(code, err, "unknown bench mode", "warp")
     code, _, err = run_cli(["bench", "--target", str(smol), "--trials", "0"], capsys)
     assert_usage_error(code, err, "--trials")
+    # bench compares modes (--modes); a --drafter flag would be silently ignored, so it is refused
+    code, _, err = run_cli(["bench", "--target", str(smol), "--drafter", "none"], capsys)
+    assert_usage_error(code, err, "unrecognized arguments: --drafter")

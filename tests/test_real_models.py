@@ -35,8 +35,9 @@ def llama_cpp_greedy(path, prompt_tokens, n, n_ctx=1024):
 def test_plain_decoding_equals_llama_cpp_python_greedy(smol):
     with Engine.load(str(smol), drafter="none", n_ctx=1024) as eng:
         for prompt in PROMPTS:
-            ptoks = eng.target.tokenize(eng.format_chat([{"role": "user", "content": prompt}]))
-            ours = [t for t, _ in eng.generate_tokens(ptoks, 48, SamplingParams(0.0))]
+            ptoks = eng.chat_tokens([{"role": "user", "content": prompt}])
+            ours = eng.generate(ptoks, max_tokens=48).tokens
+            assert len(ours) >= 16
             assert ours == llama_cpp_greedy(smol, ptoks, 48)
 
 
@@ -76,54 +77,66 @@ def assert_equal_up_to_a_near_tie(spec, plain, rows, eos):
     return i
 
 
-def _greedy_spec_vs_plain(target, draft, n, gamma):
+def _greedy_spec_vs_plain(target, draft, n, gamma, drafter="model"):
     parted = []
-    with Engine.load(str(target), draft=str(draft), drafter="model", n_ctx=1024, gamma=gamma) as eng:
+    with Engine.load(str(target), draft=str(draft) if draft else None, drafter=drafter, n_ctx=1024,
+                     gamma=gamma) as eng:
         for prompt in PROMPTS:
-            ptoks = eng.target.tokenize(eng.format_chat([{"role": "user", "content": prompt}]))
+            ptoks = eng.chat_tokens([{"role": "user", "content": prompt}])
             plain, rows = plain_greedy_with_logits(eng.target, ptoks, n)
-            spec = [t for t, _ in eng.generate_tokens(ptoks, len(plain), SamplingParams(0.0))]
-            assert eng.last_stats.drafted > 0
-            parted.append(assert_equal_up_to_a_near_tie(spec, plain, rows, eng.target.eos))
+            eng.reset()
+            r = eng.generate(ptoks, max_tokens=len(plain))
+            assert r.stats.drafted > 0
+            parted.append(assert_equal_up_to_a_near_tie(r.tokens, plain, rows, eng.target.eos))
     return parted
 
 
 def test_speculative_greedy_equals_plain_greedy_smollm2(smol, smol_draft):
-    _greedy_spec_vs_plain(smol, smol_draft, 48, gamma=3)
+    parted = _greedy_spec_vs_plain(smol, smol_draft, 48, gamma=3)
+    # a pass that parts at token 0 would say nothing: the outputs agree for a while first
+    # (measured here: identical on both prompts, or parting late at a near-tie)
+    assert all(p is None or p >= 8 for p in parted), parted
+
+
+def test_ngram_greedy_equals_plain_greedy_smollm2(smol):
+    parted = _greedy_spec_vs_plain(smol, None, 48, gamma=4, drafter="ngram")
+    assert all(p is None or p >= 8 for p in parted), parted
 
 
 @pytest.mark.qwen
 def test_speculative_greedy_equals_plain_greedy_qwen_pair(qwen_pair):
     parted = _greedy_spec_vs_plain(*qwen_pair, 32, gamma=4)
     assert parted[0] is None  # the code prompt has no near-tie in its first 32 tokens
+    assert all(p is None or p >= 8 for p in parted), parted
 
 
 def test_kv_caches_hold_exactly_the_committed_tokens_on_llama_cpp(smol, smol_draft):
     with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=512, gamma=3) as eng:
         target, drafter = eng.target, eng.drafter
         checks = []
-        accept = drafter.accept
+        observe = drafter.observe
 
-        def checked_accept(tokens):
-            accept(tokens)
+        def checked_observe(round):
+            observe(round)
+            tokens = round.tokens
             # the target holds every committed token but the newest (fed next round)
             checks.append((target.pos_max(), len(tokens) - 2, target.tokens == tokens[:-1],
                            drafter.backend.pos_max(), drafter.backend.n_past - 1,
                            drafter.backend.tokens == tokens[:drafter.backend.n_past]))
-        drafter.accept = checked_accept
+        drafter.observe = checked_observe
         rss = []
         proc = psutil.Process()
         rounds = 0
-        while rounds < 1000:
-            list(eng.generate_tokens(target.tokenize("Once upon a time"), 200,
-                                     SamplingParams(1.0), seed=rounds))
-            rounds += eng.last_stats.rounds
+        while rounds < 300:
+            r = eng.generate("Once upon a time", max_tokens=200, temperature=1.0, seed=rounds)
+            rounds += r.stats.rounds
             rss.append(proc.memory_info().rss)
-        assert len(checks) >= 1000
+        assert len(checks) >= 300
         for t_max, want, t_same, d_max, d_want, d_same in checks:
             assert t_max == want and t_same
             assert d_max == d_want and d_same and d_max <= want
-        # 1,000+ rounds in a 512-token context: memory does not grow with rejected drafts
+        # 300+ rounds in a 512-token context: memory does not grow with rejected drafts
+        # (the fake-backend test checks 1,000 rounds position by position)
         assert rss[-1] - rss[0] < 16 * 2**20, [r / 2**20 for r in rss]
 
 
@@ -132,18 +145,18 @@ def _exact_first_two(eng, ptoks, params):
 
     llama.cpp's batched kernels round differently from its single-token ones, so the rows
     are computed exactly as the engine computes them for every draw that follows: the prompt
-    prefix cached from one batch, the last prompt token re-fed alone, and the first generated
-    token alone (gamma = 1, max_tokens = 2: drafted and accepted, or sampled after a rejection).
+    evaluated in one batch (its last row kept and reused by every repeat of the request), and
+    the first generated token alone (gamma = 1, max_tokens = 2: drafted and accepted, or
+    sampled after a rejection).
     """
     t = eng.target
     t.reset()
-    t.eval(ptoks, [])
-    t.truncate(len(ptoks) - 1)
-    p1 = warp(t.eval(ptoks[-1:], [0])[0], params).astype(np.float64)
+    p1 = warp(t.eval(ptoks, [len(ptoks) - 1])[0], params).astype(np.float64)
     p2 = np.zeros_like(p1)
     for x in np.flatnonzero(p1):
         t.truncate(len(ptoks))
         p2 += p1[x] * warp(t.eval([int(x)], [0])[0], params)
+    eng.reset()
     return p1, p2
 
 
@@ -171,18 +184,20 @@ def test_t1_first_two_tokens_follow_the_target_law_on_real_models(smol, smol_dra
     params = SamplingParams(temperature=1.0, top_k=12, top_p=0.97, min_p=0.01)
     n = 3000
     with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=256, gamma=1) as eng:
-        ptoks = eng.target.tokenize("The best thing about living near the sea is")
+        ptoks = eng.tokenize("The best thing about living near the sea is")
         p1, p2 = _exact_first_two(eng, ptoks, params)
         rng = np.random.default_rng(12345)
         c1 = np.zeros_like(p1)
         c2 = np.zeros_like(p2)
         drafted = accepted = 0
+        kw = dict(max_tokens=2, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                  min_p=params.min_p)
         for _ in range(n):
-            out = [t for t, _ in eng.generate_tokens(ptoks, 2, params, rng)]
-            c1[out[0]] += 1
-            c2[out[1]] += 1
-            drafted += eng.last_stats.drafted
-            accepted += eng.last_stats.accepted
+            r = eng.generate(ptoks, seed=int(rng.integers(2**63)), **kw)
+            c1[r.tokens[0]] += 1
+            c2[r.tokens[1]] += 1
+            drafted += r.stats.drafted
+            accepted += r.stats.accepted
     assert 0.05 < accepted / drafted < 0.95  # both acceptance and rejection were exercised
     assert _chi2_pvalue(c1, p1) > 1e-4
     assert _chi2_pvalue(c2, p2) > 1e-4
@@ -191,7 +206,10 @@ def test_t1_first_two_tokens_follow_the_target_law_on_real_models(smol, smol_dra
 def test_stream_text_equals_generate_text_and_marks_draft_tokens(smol, smol_draft):
     with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=512, gamma=3) as eng:
         r = eng.generate("Paris is the capital of", max_tokens=40)
-        events = list(eng.stream("Paris is the capital of", max_tokens=40))
+        stream = eng.stream("Paris is the capital of", max_tokens=40)
+        events = list(stream)
+    assert stream.stats.reused_prompt_tokens == stream.stats.prompt_tokens  # the repeat reused the cache
+    assert events[-1].finish_reason == stream.finish_reason == r.finish_reason
     assert "".join(e.text for e in events) == r.text
     assert [e.token for e in events] == r.tokens
     assert sum(e.from_draft for e in events) == r.stats.accepted

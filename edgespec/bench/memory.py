@@ -71,7 +71,8 @@ def memory_bench(settings, opts, items) -> int:
             sampled = sampler.stop()
             Path(fh.name).unlink()
             if child.returncode != 0:
-                raise UsageError(f"the {cfg['drafter']} run failed: {err.strip().splitlines()[-1] if err.strip() else '?'}")
+                last = err.strip().splitlines()[-1] if err.strip() else "?"
+                raise UsageError(f"the {cfg['drafter']} run failed: {last}")
             res = json.loads(out)
             peak = max(sampled, res["peak_rss_bytes"])
             rows.append({"drafter": cfg["drafter"], "n_ctx": cfg["n_ctx"], "id": it["id"], "kind": it["kind"],
@@ -79,7 +80,8 @@ def memory_bench(settings, opts, items) -> int:
                          "acceptance": res["stats"]["acceptance_rate"], "estimated_bytes": cfg["estimated_bytes"],
                          "peak_rss_bytes": peak, "peak_rss_sampled_bytes": sampled,
                          "error": (cfg["estimated_bytes"] - peak) / peak})
-            print(f"[{i}/{len(configs)}] {cfg['drafter']:<6} {it['id']:<20} {res['stats']['tokens_per_second']:6.1f} tok/s  "
+            tps = res["stats"]["tokens_per_second"]
+            print(f"[{i}/{len(configs)}] {cfg['drafter']:<6} {it['id']:<20} {tps:6.1f} tok/s  "
                   f"peak {peak / 2**20:7.0f} MiB  estimate {cfg['estimated_bytes'] / 2**20:7.0f} MiB",
                   file=sys.stderr, flush=True)
     report = {"budget_bytes": budget, "choice": result["choice"], "rows": rows}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import BackendError
+from ..errors import BackendError, DamagedModelError
 from ..sampling import SamplingParams, sample, warp
 from . import NO_DRAFT, Draft, Round
 
@@ -41,8 +41,8 @@ class ModelDrafter:
             feed = pending if i == 0 else [drafts[-1]]
             logits = be.eval(feed, [len(feed) - 1])[0]
             if not np.isfinite(logits.max()):
-                raise BackendError(f"draft model {be.path.name} produced non-finite logits: the file is "
-                                   "damaged; download it again")
+                raise DamagedModelError(f"draft model {be.path.name} produced non-finite logits: the file is "
+                                        "damaged; download it again")
             if q is None:
                 drafts.append(int(np.argmax(logits[:w])))
                 continue

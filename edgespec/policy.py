@@ -1,4 +1,4 @@
-"""Which drafter and how many drafts, per round, from measured costs and online acceptance.
+"""Which drafter and how many drafts, per round, from the device's costs and online acceptance.
 
 Expected tokens per second of a round with gamma drafts, each accepted with probability
 alpha until the first miss (Leviathan et al. 2023, eq. 1):
@@ -6,32 +6,51 @@ alpha until the first miss (Leviathan et al. 2023, eq. 1):
     E[tokens] = (1 - alpha^(gamma+1)) / (1 - alpha)
     time      = gamma * T_draft + T_verify(gamma + 1)
 
-T_verify(k) is the calibrated cost of a target pass that returns logits for k rows; it is
-not monotonic on every device, which the search over gamma uses as it is.
+T_verify(k) is the cost of a target pass that returns logits for k rows; it is not monotonic
+on every device, which the search over gamma uses as it is. The costs start from the
+calibration and follow the passes the engine runs (`OnlineCosts`): a measured curve is a
+belief, and a belief the policy stopped testing is re-tested now and then.
 
-A model draft's acceptance is one rate per token (a Beta estimate). An n-gram draft is a
-copy, and copies are not geometric: the longer a passage has been copied, the likelier its
+A model draft's acceptance is one rate per token (a Beta estimate). A copy (prompt lookup or
+an aligned copy) is not geometric: the longer a passage has been copied, the likelier its
 next token is copied too (measured on this project's workloads: about 0.2 of single-token
-matches continue, 0.85 after 8 agreeing tokens, 0.97 after 16, alike for every kind of
-prompt). So n-gram acceptance is estimated per run-length bucket, and a draft of gamma
-tokens starting at run r is scored with the survival product of the buckets of r, r+1, ...
+matches continue, 0.85 after 8 agreeing tokens, 0.97 after 16). So copy acceptance is
+estimated per run-length bucket, separately for a fresh lookup hit and for an established
+alignment (where even the first token after an edit's resync is usually right), and a draft
+of gamma tokens starting at run r is scored with the survival product of the buckets of
+r, r+1, ...
 """
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Callable, NamedTuple, Optional
 
-MIN_OBSERVATIONS = 4  # rounds scored before a drafter is trusted: no speculation on nothing
+MIN_OBSERVATIONS = 4  # copy proposals scored before a fresh lookup hit is drafted
 CAUTION = 0.25        # acceptance is taken a quarter standard deviation below its estimate
-MARGIN = 1.0          # how much better than plain decoding a round must be expected to be
+MARGIN = 0.0          # steps a draft must be expected to save before it is made
 
-# Run-length buckets (lower edges) and the prior per-token acceptance of each: below what
-# the workloads showed for every kind (about 0.2 0.45 0.6 0.75 0.8 0.85 0.95 0.98 ...), and
-# worth PRIOR_WEIGHT observations, so that what a generation observes soon outweighs them.
+# Run-length buckets (lower edges) and the prior per-token acceptance of each. Fresh lookup
+# hits: below what the workloads showed for every kind (about 0.2 0.45 0.6 0.75 0.8 0.85 0.95
+# 0.98 ...). Aligned copies: the continuation of an established copy after an edit.
 RUN_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 RUN_PRIOR = (0.15, 0.35, 0.5, 0.6, 0.7, 0.75, 0.85, 0.93, 0.95, 0.95, 0.95)
+ALIGNED_PRIOR = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93, 0.95, 0.95, 0.95)
 PRIOR_WEIGHT = 4.0
+ALIGNED_SHIFT = 0.3   # how fast the aligned priors follow the evidence together (CopyAcceptance)
+SHIFT_MAX = 3.0
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-4), 1 - 1e-4)
+    return math.log(p / (1 - p))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
 
 
 @dataclass
@@ -70,11 +89,24 @@ class Acceptance:
 
 
 class CopyAcceptance:
-    """N-gram draft acceptance per token, by the length of the copy run it continues."""
+    """Copy draft acceptance per token, by the length of the copy run it continues.
 
-    def __init__(self, decay: float = 0.98):
-        self.buckets = [Acceptance(prior=p, weight=PRIOR_WEIGHT, decay=decay) for p in RUN_PRIOR]
+    With `shift_rate`, the priors of all buckets also move together (a shift in log-odds,
+    learnt from every scored token), so that an answer that keeps resuming its copies (an
+    edit) is trusted at short runs after a few rounds, before each bucket has evidence."""
+
+    def __init__(self, decay: float = 0.98, prior: tuple[float, ...] = RUN_PRIOR, shift_rate: float = 0.0):
+        self.base = tuple(prior)
+        self.buckets = [Acceptance(prior=p, weight=PRIOR_WEIGHT, decay=decay) for p in prior]
         self.rounds = 0
+        self.shift_rate = shift_rate
+        self.shift = 0.0
+
+    def _learn_shift(self, b: int, hit: bool) -> None:
+        p = _sigmoid(_logit(self.base[b]) + self.shift)
+        self.shift = min(SHIFT_MAX, max(-SHIFT_MAX, self.shift + self.shift_rate * (hit - p)))
+        for bucket, base in zip(self.buckets, self.base):
+            bucket.prior = _sigmoid(_logit(base) + self.shift)
 
     @staticmethod
     def bucket(run: int) -> int:
@@ -85,7 +117,10 @@ class CopyAcceptance:
         token i was drafted at run + i; tokens after the first miss were never at stake."""
         self.rounds += 1
         for i in range(min(compared, matched + 1)):
-            self.buckets[self.bucket(run + i)].observe(i < matched)
+            b = self.bucket(run + i)
+            if self.shift_rate:
+                self._learn_shift(b, i < matched)
+            self.buckets[b].observe(i < matched)
 
     def survival(self, run: int, n: int, z: float = 0.0) -> list[float]:
         """P(the first j drafts are all accepted) for j = 1..n, each rate z deviations low.
@@ -114,7 +149,7 @@ class Costs:
     draft_step a draft model's single-token step (None without a draft model)."""
 
     verify: tuple[float, ...]
-    draft_step: float | None = None
+    draft_step: Optional[float] = None
 
     @property
     def max_rows(self) -> int:
@@ -124,11 +159,207 @@ class Costs:
         return self.verify[min(k, self.max_rows) - 1]
 
 
+def _log_ratio(observed: float, believed: float) -> float:
+    return math.log(max(observed, 1e-7) / max(believed, 1e-7))
+
+
+BATCH_SLACK = 1.25  # a k-row pass may cost up to 1.25x k single-token passes
+
+
+class OnlineCosts:
+    """The cost curve the policy decides on: calibrated figures corrected by every target pass
+    and draft step the engine times.
+
+    belief(k) = calibrated(k) * exp(level + offset(k)), in logs so that 10x too slow and 10x
+    too fast weigh alike. `level` is the median of the latest passes' log-ratios (after their
+    row count's own offset): it follows a device that became uniformly slower or faster,
+    within WINDOW / 2 passes, and one outlier cannot move a median. `offset(k)` is the median
+    of row count k's recent log-ratios beyond the level, shrunk by one pseudo-observation of
+    0; row counts never seen take their nearest observed neighbours' offsets (interpolated),
+    so that what single-token passes show moves the whole curve. The draft step has its own
+    offset on the same level (one device, one load).
+
+    Every row count bucket (and the draft step) also has a *patience*: the rounds the policy
+    may go without observing it. The policy explores one whose patience ran out; an
+    observation that agrees with the belief doubles its patience, one that disagrees makes
+    every patience short again."""
+
+    WINDOW = 15
+    K_WINDOW = 9
+    PATIENCE = (4, 16, 256)       # rounds between explorations: after a surprise, at first, at most
+    AGREE = math.log(1.3)         # an observation within 30% of the belief agrees with it
+    PERSIST_AFTER = 24            # passes observed before a lasting disagreement is written back
+    PERSIST_GAP = math.log(1.25)  # how far the belief must have moved from the stored figures
+
+    def __init__(self, base: Costs, source: str = "calibrated", prior: int = 3,
+                 persist: Optional[Callable[[Costs], bool]] = None, learn: bool = True):
+        self.base = base
+        self.learn = learn         # False: the figures are given (a simulation, a test) and stay
+        self.source = source       # where `base` came from: calibrated, cached, provisional, given
+        self.prior = prior         # pseudo-observations that the base figures are right
+        self.persist = persist     # writes corrected figures back (returns True when it did)
+        self.level_obs: deque[float] = deque(maxlen=self.WINDOW)
+        self.level = 0.0
+        self.k_obs: dict[int, deque[float]] = {}
+        self.draft_obs: deque[float] = deque(maxlen=self.K_WINDOW)
+        self.rounds = 0
+        self.passes = 0
+        self.draft_steps = 0
+        self.last_seen: dict[str, int] = {}
+        self.patience: dict[str, int] = {}
+        self.explorations = 0
+        self.persisted: Optional[Costs] = None
+        self._offsets: Optional[list[float]] = None
+        self._current: Optional[Costs] = None
+
+    # -- what the policy reads ----------------------------------------------------------------
+    @property
+    def max_rows(self) -> int:
+        return self.base.max_rows
+
+    def current(self) -> Costs:
+        """The believed costs now."""
+        if self._current is None:
+            offs, lv = self.offsets(), self.level
+            verify = [v * math.exp(lv + o) for v, o in zip(self.base.verify, offs)]
+            # a k-row pass costs at least a 1-row pass and at most k of them (with some slack):
+            # a belief outside that is a bad measurement, and would keep the policy from ever
+            # testing what it rules out
+            one = verify[0]
+            verify = tuple(min(max(v, one), BATCH_SLACK * k * one) for k, v in enumerate(verify, 1))
+            step = self.base.draft_step
+            if step is not None:
+                step *= math.exp(lv + self._draft_offset())
+            self._current = Costs(verify, step)
+        return self._current
+
+    def offsets(self) -> list[float]:
+        if self._offsets is None:
+            seen = {k: median(list(obs) + [0.0]) for k, obs in self.k_obs.items() if obs}
+            ks = sorted(seen)
+            out = []
+            for k in range(1, self.max_rows + 1):
+                if not ks:
+                    out.append(0.0)
+                elif k in seen:
+                    out.append(seen[k])
+                else:
+                    i = bisect.bisect_left(ks, k)
+                    if i == 0:
+                        out.append(seen[ks[0]])
+                    elif i == len(ks):
+                        out.append(seen[ks[-1]])
+                    else:
+                        lo, hi = ks[i - 1], ks[i]
+                        out.append(seen[lo] + (seen[hi] - seen[lo]) * (k - lo) / (hi - lo))
+            self._offsets = out
+        return self._offsets
+
+    def _draft_offset(self) -> float:
+        return median(list(self.draft_obs) + [0.0]) if self.draft_obs else 0.0
+
+    @staticmethod
+    def bucket(rows: int) -> str:
+        """Row counts explored together: 1, 2-3, 4-7, 8-15, 16-31, 32+ (and "draft")."""
+        return f"rows{1 << (rows.bit_length() - 1)}"
+
+    def due(self, key: str, stretch: float = 1.0) -> bool:
+        """Has the policy gone without observing `key` for longer than its patience (times
+        `stretch`: a test believed dear is made less often)?"""
+        if not self.learn:
+            return False
+        return self.rounds - self.last_seen.get(key, 0) > stretch * self.patience.get(key, self.PATIENCE[1])
+
+    # -- what the engine shows ----------------------------------------------------------------
+    def tick(self) -> None:
+        self.rounds += 1
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        """A target pass that computed `rows` rows of logits took `seconds`."""
+        if rows <= 0 or not seconds > 0 or not self.learn:
+            return
+        k = min(rows, self.max_rows)
+        believed = self.current().verify_cost(k)
+        r = _log_ratio(seconds, self.base.verify_cost(k))
+        self.level_obs.append(r - self.offsets()[k - 1])
+        self.level = median(list(self.level_obs) + [0.0] * self.prior)
+        obs = self.k_obs.setdefault(k, deque(maxlen=self.K_WINDOW))
+        obs.append(r - self.level)
+        self.passes += 1
+        self._seen(self.bucket(k), _log_ratio(seconds, believed))
+        self._offsets = self._current = None
+        self._maybe_persist()
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        """`steps` draft-model steps took `seconds` in all."""
+        if steps <= 0 or not seconds > 0 or self.base.draft_step is None or not self.learn:
+            return
+        believed = self.current().draft_step
+        r = _log_ratio(seconds / steps, self.base.draft_step)
+        self.draft_obs.append(r - self.level)
+        self.draft_steps += 1
+        self._seen("draft", _log_ratio(seconds / steps, believed))
+        self._current = None
+
+    def _seen(self, key: str, surprise: float) -> None:
+        """Agreement doubles the patience of `key`; a surprise means the device is not what it
+        was believed to be, so every belief is re-tested soon."""
+        soon, first, most = self.PATIENCE
+        if abs(surprise) < self.AGREE:
+            self.patience[key] = min(2 * self.patience.get(key, first), most)
+        else:
+            for k in self.patience:
+                self.patience[k] = min(self.patience[k], first)
+            self.patience[key] = soon
+        self.last_seen[key] = self.rounds
+
+    def _maybe_persist(self) -> None:
+        """Write the corrected curve back once it has held over PERSIST_AFTER passes with a
+        steady level, so that the next load starts from what the device does now."""
+        if self.persist is None or self.passes < self.PERSIST_AFTER or len(self.level_obs) < self.WINDOW:
+            return
+        ref = self.persisted or self.base
+        now = self.current()
+        moved = max(abs(_log_ratio(a, b)) for a, b in zip(now.verify, ref.verify))
+        if moved < self.PERSIST_GAP:
+            return
+        q = sorted(self.level_obs)
+        spread = q[3 * len(q) // 4] - q[len(q) // 4]
+        if spread > self.PERSIST_GAP:  # the device is not steady now: no lasting conclusion
+            return
+        if self.persist(now):
+            self.persisted = now
+
+    def describe(self) -> dict:
+        now = self.current()
+        moved = max(abs(_log_ratio(a, b)) for a, b in zip(now.verify, self.base.verify))
+        d = {"source": "corrected online" if moved >= math.log(1.1) else self.source,
+             "calibration": self.source,
+             "passes_observed": self.passes, "draft_steps_observed": self.draft_steps,
+             "t1_ms": round(1000 * now.verify[0], 2), "t1_calibrated_ms": round(1000 * self.base.verify[0], 2),
+             "level": round(math.exp(self.level), 3),
+             "rows_observed": sorted(self.k_obs), "explorations": self.explorations,
+             "written_back": self.persisted is not None}
+        if now.draft_step is not None:
+            d["draft_step_ms"] = round(1000 * now.draft_step, 2)
+        return d
+
+
+class Offer(NamedTuple):
+    """A copy drafter's proposal as the policy judges it."""
+
+    run: int
+    available: int
+    state: str = "fresh"   # "fresh" (a lookup hit) or "aligned" (an established copy)
+    risk: tuple[float, ...] = ()  # per token: the chance an edit begins there (from earlier edits)
+
+
 @dataclass(frozen=True)
 class Choice:
-    drafter: str       # "none", "ngram" or "model"
+    drafter: str       # "none", "ngram" (a lookup hit), "copy" (an aligned copy) or "model"
     gamma: int
     tokens_per_second: float
+    explore: bool = False
 
 
 def best_length(costs: Costs, survival: list[float], draft_step: float = 0.0) -> tuple[int, float]:
@@ -144,46 +375,137 @@ def best_length(costs: Costs, survival: list[float], draft_step: float = 0.0) ->
     return best
 
 
+def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0) -> tuple[int, float]:
+    """(draft length >= 1, expected seconds saved) for the length that saves the most time
+    against decoding the same expected tokens one pass each; survival[j - 1] is the chance
+    that the first j drafts are all accepted. (0, -inf) when nothing is offered.
+
+    Savings, not tokens per second: at a copy accepted 95% per token, 2 rows and 16 rows may
+    yield the same tokens per second, but the 16-row pass saves eight times as much."""
+    t1 = costs.verify_cost(1)
+    best = (0, -math.inf)
+    tokens = 1.0
+    for g, s in enumerate(survival[:costs.max_rows - 1], 1):
+        tokens += s
+        saved = tokens * t1 - g * draft_step - costs.verify_cost(g + 1)
+        if saved > best[1]:
+            best = (g, saved)
+    return best
+
+
 def best_gamma(costs: Costs, alpha: float, draft_step: float, max_gamma: int) -> tuple[int, float]:
     """best_length for a constant per-token acceptance alpha."""
     return best_length(costs, [alpha ** j for j in range(1, max_gamma + 1)], draft_step)
 
 
-@dataclass
-class Policy:
-    costs: Costs
-    max_gamma: int = 32
-    model_prior: float = 0.6
-    ngram: CopyAcceptance = field(default_factory=CopyAcceptance)
-    model: Acceptance | None = None
-    decisions: dict[str, int] = field(default_factory=dict)
+EXPLORE_LOSS = 0.5  # steps a re-test of drafting is believed to lose, at most, per patience period
 
-    def __post_init__(self):
-        if self.model is None:
-            self.model = Acceptance(prior=self.model_prior)
+
+class Policy:
+    """Per round: plain decoding, a copy draft or a model draft, and how long."""
+
+    def __init__(self, costs, max_gamma: int = 32, model_prior: float = 0.6,
+                 ngram: Optional[CopyAcceptance] = None, model: Optional[Acceptance] = None,
+                 aligned: Optional[CopyAcceptance] = None):
+        """`costs`: an `OnlineCosts` (calibrated figures that follow the device), or fixed
+        `Costs` (a simulation, a test: what the passes take is not learnt)."""
+        self.online = costs if isinstance(costs, OnlineCosts) else OnlineCosts(costs, "given", learn=False)
+        self.max_gamma = max_gamma
+        self.model_prior = model_prior
+        self.ngram = ngram or CopyAcceptance()
+        self.aligned = aligned or CopyAcceptance(prior=ALIGNED_PRIOR, shift_rate=ALIGNED_SHIFT)
+        self.model = model or Acceptance(prior=model_prior)
+        self.decisions: dict[str, int] = {}
+        self._last_first_rate = 0.0
+
+    @property
+    def costs(self) -> Costs:
+        """The costs believed now (calibrated, then corrected by what the passes showed)."""
+        return self.online.current()
 
     def reset(self) -> None:
-        """Forget what was learnt (the benchmark starts every run from the priors)."""
+        """Forget what was learnt about acceptance (the benchmark starts every run from the
+        priors). What the device costs is a fact of the device, not of a prompt: kept."""
         self.ngram = CopyAcceptance()
+        self.aligned = CopyAcceptance(prior=ALIGNED_PRIOR, shift_rate=ALIGNED_SHIFT)
         self.model = Acceptance(prior=self.model_prior)
 
-    def choose(self, ngram_match: tuple[int, int] | None, has_model: bool, room: int) -> Choice:
-        """ngram_match: (run length, continuation tokens available) or None; room: most
-        drafts that fit (context and max_tokens)."""
-        plain = 1.0 / self.costs.verify_cost(1)
-        choice = Choice("none", 0, plain)
-        bar = plain * MARGIN  # the cost model is an estimate: a marginal bet is not worth taking
-        if ngram_match and room > 0:
-            run, available = ngram_match
-            if self.ngram.rounds >= MIN_OBSERVATIONS:
-                n = min(available, room, self.max_gamma)
-                g, tps = best_length(self.costs, self.ngram.survival(run, n, CAUTION))
-                if g and tps > max(bar, choice.tokens_per_second):
-                    choice = Choice("ngram", g, tps)
-        if has_model and room > 0 and self.costs.draft_step is not None:
-            g, tps = best_gamma(self.costs, self.model.lower(CAUTION), self.costs.draft_step,
-                                min(room, self.max_gamma))
-            if g and tps > max(bar, choice.tokens_per_second):
-                choice = Choice("model", g, tps)
-        self.decisions[choice.drafter] = self.decisions.get(choice.drafter, 0) + 1
+    def table(self, state: str) -> CopyAcceptance:
+        return self.aligned if state == "aligned" else self.ngram
+
+    # -- learning -------------------------------------------------------------------------------
+    def copy_outcome(self, state: str, run: int, matched: int, compared: int) -> None:
+        self.table(state).update(run, matched, compared)
+
+    def model_outcome(self, matched: int, compared: int) -> None:
+        self.model.update(matched, compared)
+
+    # -- deciding -------------------------------------------------------------------------------
+    def choose(self, offer=None, has_model: bool = False, room: int = 0) -> Choice:
+        """`offer`: a copy proposal (`Offer`, or a tuple (run length, continuation tokens
+        available[, state[, risk]])) or None; `room`: most drafts that fit (context and
+        max_tokens)."""
+        costs = self.online.current()
+        self.online.tick()
+        t1 = costs.verify_cost(1)
+        best = Choice("none", 0, 1.0 / t1)
+        runner_up, saving = best, -math.inf  # the most promising draft, kept for exploration
+        if offer and room > 0:
+            offer = Offer(*offer)
+            if offer.state == "aligned" or self.ngram.rounds + self.aligned.rounds >= MIN_OBSERVATIONS:
+                n = min(offer.available, room, self.max_gamma)
+                surv = self.table(offer.state).survival(offer.run, n, CAUTION)
+                if offer.risk:  # a place where this generation made edits before: likely another
+                    keep = 1.0
+                    for i, r in enumerate(offer.risk[:n]):
+                        keep *= 1.0 - r
+                        surv[i] *= keep
+                g, saving = best_saving(costs, surv)
+                self._last_first_rate = surv[0] if surv else 0.0
+                if g:  # named by what it is: a fresh lookup hit or an aligned copy
+                    runner_up = Choice("copy" if offer.state == "aligned" else "ngram", g,
+                                       _tps(costs, surv[:g], 0.0))
+        if has_model and room > 0 and costs.draft_step is not None:
+            alpha = self.model.lower(CAUTION)
+            surv = [alpha ** j for j in range(1, min(room, self.max_gamma) + 1)]
+            g, saved = best_saving(costs, surv, costs.draft_step)
+            if g and saved > saving:
+                runner_up, saving = Choice("model", g, _tps(costs, surv[:g], costs.draft_step)), saved
+        if runner_up.gamma and saving > MARGIN * t1:
+            best = runner_up
+        best = self._explore(best, runner_up, saving, t1)
+        self.decisions[best.drafter] = self.decisions.get(best.drafter, 0) + 1
+        return best
+
+    def _explore(self, choice: Choice, runner_up: Choice, saving: float, t1: float) -> Choice:
+        """Re-test what the policy stopped doing once its patience ran out: a plain pass while
+        drafting, or a one-token draft (the cheapest test of verifying rows and of the draft
+        model) while decoding plainly."""
+        online = self.online
+        if choice.drafter != "none":
+            if online.due(online.bucket(1)):
+                online.explorations += 1
+                return Choice("none", 0, 1.0 / t1, explore=True)
+            return choice
+        if runner_up.gamma and saving > -math.inf:
+            keys = [online.bucket(2)] + (["draft"] if runner_up.drafter == "model" else [])
+            # the believed loss of a test, spread over its patience, stays under EXPLORE_LOSS
+            # of a step per round: a wrong belief of any size is re-tested, rarely if dear
+            stretch = max(1.0, self._one_draft_loss(runner_up) / (EXPLORE_LOSS * t1))
+            if any(online.due(k, stretch) for k in keys):
+                online.explorations += 1
+                return Choice(runner_up.drafter, 1, runner_up.tokens_per_second, explore=True)
         return choice
+
+    def _one_draft_loss(self, choice: Choice) -> float:
+        """Expected seconds lost by a one-token draft from this drafter, against plain decoding."""
+        costs = self.online.current()
+        if choice.drafter == "model":
+            p, step = self.model.mean, costs.draft_step or 0.0
+        else:
+            p, step = self._last_first_rate, 0.0
+        return step + costs.verify_cost(2) - (1.0 + p) * costs.verify_cost(1)
+
+
+def _tps(costs: Costs, survival: list[float], draft_step: float) -> float:
+    return (1.0 + sum(survival)) / (len(survival) * draft_step + costs.verify_cost(len(survival) + 1))

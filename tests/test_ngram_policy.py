@@ -1,11 +1,9 @@
 """N-gram drafter, policy and calibration cache, on small arrays and fake costs."""
-import json
 import random
 
 import numpy as np
 import pytest
 
-from edgespec import calibrate
 from edgespec.drafters.ngram import RUN_MAX, NgramDrafter, NgramIndex, run_length
 from edgespec.engine import Engine
 from edgespec.policy import (MIN_OBSERVATIONS, Acceptance, CopyAcceptance, Costs, Policy, best_gamma,
@@ -171,38 +169,6 @@ def test_ngram_and_auto_at_t0_equal_plain_exactly_on_the_fake():
     r = Engine(FakeBackend(table), AutoDrafter(Policy(costs))).generate(prompt, max_tokens=100)
     assert r.tokens == plain
     assert sum(v["accepted"] for k, v in r.stats.by_drafter.items() if k != "none") > 10
-
-
-def test_calibration_is_cached_and_invalidated_when_model_or_settings_change(tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF fake")
-    table = np.zeros((6, 6), np.float32)
-    fb = FakeBackend(table, n_ctx=512)
-    fb.path = model
-    calls = []
-    real = calibrate.measure
-
-    def counting(*a, **kw):
-        calls.append(1)
-        return real(*a, max_rows=4, reps=1, **{k: v for k, v in kw.items() if k != "progress"})
-    monkeypatch.setattr(calibrate, "measure", counting)
-    c1 = calibrate.load_or_measure(fb)
-    c2 = calibrate.load_or_measure(fb)
-    assert len(calls) == 1 and c1 == c2 and len(c1.verify) == 4
-    fb.settings = {"n_ctx": 1024}                         # the context size alone: same figures
-    calibrate.load_or_measure(fb)
-    assert len(calls) == 1
-    fb.settings = {"n_ctx": 512, "threads": 7}            # another setting: measure again
-    calibrate.load_or_measure(fb)
-    assert len(calls) == 2
-    model.write_bytes(b"GGUF another model")              # another file: measure again
-    calibrate.load_or_measure(fb)
-    assert len(calls) == 3
-    calibrate.load_or_measure(fb, force=True)  # `edgespec calibrate`
-    assert len(calls) == 4
-    files = list((tmp_path / "cache" / "calibration").glob("*.json"))
-    assert len(files) == 3 and all("verify" in json.loads(f.read_text()) for f in files)
 
 
 def test_copy_ceiling_is_the_hindsight_best_schedule():

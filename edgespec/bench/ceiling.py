@@ -29,3 +29,39 @@ def copy_ceiling(costs, prompt: list[int], out: list[int]) -> float:
     return n_out * costs.verify_cost(1) / best[0]
 
 
+def replay(drafter, costs, prompt: list[int], out: list[int], draft_step: float = 0.0,
+           clock=None) -> tuple[float, list[tuple[str, int, int]]]:
+    """Run `drafter` over a known greedy output as the engine would, with the passes timed
+    by `costs` instead of a device (a draft-model step costs `draft_step`): (plain decoding's
+    time over the drafter's, and per round (draft source, drafted, accepted)).
+
+    Exact at T = 0, where the committed tokens do not depend on the drafts; no model runs,
+    so policies can be compared on the same outputs and costs, deterministically.
+    `clock(rows) -> seconds` overrides what a pass is reported to cost (the true costs of a
+    device the policy has wrong beliefs about)."""
+    import numpy as np
+
+    from ..drafters import Round
+    from ..sampling import SamplingParams
+    clock = clock or costs.verify_cost
+    tokens, i, spent, rounds = list(prompt), 0, 0.0, []
+    drafter.begin(tokens)
+    greedy, rng = SamplingParams(0.0), np.random.default_rng(0)
+    while i < len(out):
+        room = len(out) - i - 1
+        d = drafter.propose(tokens, room, greedy, rng) if room > 0 else None
+        drafts = d.tokens if d is not None else []
+        n = 0
+        while n < len(drafts) and drafts[n] == out[i + n]:
+            n += 1
+        rows = len(drafts) + (1 if i else 0)  # the first round's own row came with the prompt
+        took = clock(rows) if rows else 0.0
+        dt = len(drafts) * draft_step if d is not None and d.source == "model" else 0.0
+        spent += took + dt
+        tokens.extend(out[i:i + n + 1])
+        i += n + 1
+        if d is not None:
+            drafter.observe(Round(list(tokens), d, n, rows, took, dt))
+        rounds.append((d.source if drafts else "none", len(drafts), n))
+    plain = (len(out) - 1) * clock(1)
+    return (plain / spent if spent else 1.0), rounds

@@ -1,46 +1,69 @@
-"""`auto`: every round, the policy picks n-gram lookup, the draft model or no draft at all,
-and the draft length, from the device's measured costs and the acceptance seen so far."""
+"""`auto`: every round, the policy picks a copy of the context (an aligned copy or a prompt
+lookup hit), the draft model or no draft at all, and the draft length, from what the device's
+passes cost now and the acceptance seen so far."""
 from __future__ import annotations
 
+from ..policy import Offer
 from . import NO_DRAFT, Draft, Round
+from .copy import CopyDrafter
 from .ngram import NgramDrafter
 
 
 class AutoDrafter:
     name = "auto"
 
-    def __init__(self, policy, ngram: NgramDrafter | None = None, model=None):
+    def __init__(self, policy, copy: CopyDrafter | NgramDrafter | None = None, model=None):
+        """`copy`: the copy drafter (an NgramDrafter is wrapped: its index serves fresh
+        lookups); `model`: a ModelDrafter or None."""
         self.policy = policy
-        self.ngram = ngram if ngram is not None else NgramDrafter()
-        self.model = model  # a ModelDrafter or None
+        if copy is None or isinstance(copy, NgramDrafter):
+            copy = CopyDrafter(ngram=copy)
+        self.copy = copy
+        self.model = model
+
+    @property
+    def ngram(self) -> NgramDrafter:
+        return self.copy.ngram
 
     def begin(self, tokens: list[int]) -> None:
-        self.ngram.begin(tokens)
+        self.copy.begin(tokens)
         if self.model is not None:
             self.model.begin(tokens)
 
     def propose(self, tokens, room, params, rng) -> Draft:
         if room <= 0:
             return NO_DRAFT
-        run, cont = self.ngram.match(tokens, min(room, self.policy.max_gamma))
-        choice = self.policy.choose((run, len(cont)) if cont else None, self.model is not None, room)
-        if choice.drafter == "ngram":
-            return Draft(cont[:choice.gamma], None, "ngram")
+        m = self.copy.match(tokens, min(room, self.policy.max_gamma))
+        offer = Offer(m.run, len(m.continuation), m.state, m.risk) if m.continuation else None
+        choice = self.policy.choose(offer, self.model is not None, room)
+        if choice.drafter in ("copy", "ngram"):
+            return Draft(m.continuation[:choice.gamma], None, choice.drafter)
         if choice.drafter == "model":
             return self.model.draft(tokens, choice.gamma, params, rng)
         return NO_DRAFT
 
     def observe(self, round: Round) -> None:
+        policy = self.policy
         if self.model is not None:
             self.model.observe(round)
-        seen = self.ngram.outcome(round.tokens)
-        if seen is not None:  # scored whether or not it drafted this round: lookups cost nothing
-            self.policy.ngram.update(*seen)
+        self.copy.observe(round)
+        seen = self.copy.outcome(round.tokens)
+        if seen is not None:  # scored whether or not it drafted this round: proposals cost nothing
+            m, matched, compared = seen
+            policy.copy_outcome(m.state, m.run, matched, compared)
         if round.draft.source == "model":
-            self.policy.model.update(round.accepted, len(round.draft.tokens))
+            policy.model_outcome(round.accepted, len(round.draft.tokens))
+            policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds)
+        policy.online.observe_pass(round.verify_rows, round.verify_seconds)
+
+    def describe_costs(self) -> dict:
+        """Where the cost figures came from and how far the passes have moved them."""
+        d = self.policy.online.describe()
+        d["decisions"] = dict(self.policy.decisions)
+        return d
 
     def reset(self) -> None:
-        self.ngram.reset()
+        self.copy.reset()
         if self.model is not None:
             self.model.reset()
         self.policy.reset()

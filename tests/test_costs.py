@@ -1,0 +1,179 @@
+"""The cost model follows the device: a policy whose calibration is 10x off, or whose device
+changes mid-generation, settles on the right choice within a bounded number of rounds; one
+outlier does not move it; a correction that holds is written back.
+
+No timing here: rounds are replayed over a known output with the pass times a fake device
+would take (bench.ceiling.replay), and a stub draft model is right with a set probability."""
+import math
+import random
+
+import pytest
+
+from edgespec.bench.ceiling import replay
+from edgespec.drafters import Draft
+from edgespec.drafters.auto import AutoDrafter
+from edgespec.policy import Costs, OnlineCosts, Policy
+
+T1 = 0.06
+CPU = Costs(tuple(T1 * (1 + 0.8 * (k - 1)) for k in range(1, 33)), draft_step=0.6 * T1)  # rows cost: plain wins
+GPU = Costs(tuple(T1 * (1 + 0.02 * (k - 1)) for k in range(1, 33)), draft_step=0.1 * T1)  # rows free: drafts win
+PROMPT = [1, 2, 3]
+OUT = list(range(1000, 5000))  # nothing repeats: only the draft model can draft
+
+
+class StubModel:
+    """A draft model that proposes the output's next tokens, each right with probability alpha."""
+
+    def __init__(self, alpha=0.8, seed=0):
+        self.alpha, self.rng = alpha, random.Random(seed)
+
+    def draft(self, tokens, n, params, rng):
+        i = len(tokens) - len(PROMPT)
+        out = [OUT[i + j] if i + j < len(OUT) and self.rng.random() < self.alpha else 7 for j in range(n)]
+        return Draft(out, None, "model")
+
+    def begin(self, tokens):
+        pass
+
+    def observe(self, round):
+        pass
+
+    def reset(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def scaled(costs, verify=1.0, step=1.0, one=None):
+    v = [c * verify for c in costs.verify]
+    if one is not None:
+        v[0] = costs.verify[0] * one
+    return Costs(tuple(v), costs.draft_step * step)
+
+
+def run(believed, device, n=600, **kw):
+    """Replay `n` tokens with a policy that believes `believed` on a device whose costs at
+    round i are `device(i)`; per round, (drafter used, drafted, accepted)."""
+    policy = Policy(OnlineCosts(believed, "calibrated", **kw), max_gamma=8)
+    drafter = AutoDrafter(policy, None, StubModel())
+    done = [0]
+    observe = drafter.observe
+
+    def timed_observe(r):  # draft steps cost what the device says too
+        if r.draft.source == "model":
+            r = r.__class__(r.tokens, r.draft, r.accepted, r.verify_rows, r.verify_seconds,
+                            len(r.draft.tokens) * device(done[0]).draft_step)
+        observe(r)
+        done[0] += 1
+    drafter.observe = timed_observe
+    _, rounds = replay(drafter, device(0), PROMPT, OUT[:n], clock=lambda rows: device(done[0]).verify_cost(rows))
+    return rounds, policy
+
+
+def model_share(rounds, start, end=None):
+    window = rounds[start:end]
+    return sum(src == "model" for src, _, _ in window) / max(1, len(window))
+
+
+def test_the_right_calibration_drafts_on_a_gpu_and_not_on_a_cpu():
+    rounds, _ = run(GPU, lambda i: GPU)
+    assert model_share(rounds, 0) > 0.9
+    rounds, _ = run(CPU, lambda i: CPU)
+    assert model_share(rounds, 0) < 0.05
+
+
+@pytest.mark.parametrize("believed, device, want", [
+    # a calibration taken while a core was busy: a single-token pass recorded 60x too slow,
+    # the rest 3x; it believes plain decoding ruinous and drafts every round
+    (scaled(CPU, verify=3, step=3, one=60), CPU, "plain"),
+    # rows believed nearly free (10x below what they cost)
+    (GPU, CPU, "plain"),
+    # rows believed 10x dearer than they are: plain decoding, until a test shows otherwise
+    (scaled(GPU, verify=10, one=1), GPU, "model"),
+    # everything 10x slower or faster than believed: the same choices as the right figures
+    (scaled(CPU, verify=10, step=10), CPU, "plain"),
+    (scaled(GPU, verify=0.1, step=0.1), GPU, "model"),
+])
+def test_a_wrong_calibration_is_corrected_within_a_few_dozen_rounds(believed, device, want):
+    rounds, policy = run(believed, lambda i: device)
+    share = model_share(rounds, 60)
+    assert share > 0.9 if want == "model" else share < 0.05
+    now = policy.costs
+    assert now.verify[0] == pytest.approx(device.verify[0], rel=0.3)
+    if want == "model":  # the row counts it drafts with, and the draft step, are known right
+        used = max(set(r[1] for r in rounds[60:]), key=[r[1] for r in rounds[60:]].count) + 1
+        assert now.verify_cost(used) == pytest.approx(device.verify_cost(used), rel=0.3)
+        assert now.draft_step == pytest.approx(device.draft_step, rel=0.3)
+
+
+def test_a_device_that_changes_mid_generation_is_followed():
+    # drafting pays for 300 rounds, then rows become expensive (another process, a throttled CPU)
+    rounds, _ = run(GPU, lambda i: GPU if i < 300 else CPU, n=2000)
+    assert model_share(rounds, 100, 300) > 0.9
+    assert model_share(rounds, 360) < 0.05
+    # and back: plain decoding for 300 rounds, then rows become cheap; only the re-tests of
+    # drafting (patience at most OnlineCosts.PATIENCE[-1] rounds) can notice
+    rounds, _ = run(CPU, lambda i: CPU if i < 300 else GPU, n=2000)
+    assert model_share(rounds, 100, 300) < 0.05
+    assert model_share(rounds, 300 + OnlineCosts.PATIENCE[-1] + 60) > 0.9
+
+
+def test_re_tests_cost_little_when_the_belief_is_right():
+    rounds, policy = run(CPU, lambda i: CPU, n=2000)
+    assert policy.online.explorations <= 12   # patience doubles while the belief holds
+    assert model_share(rounds, 0) < 0.01
+
+
+def test_one_outlier_does_not_move_the_curve_a_steady_change_does():
+    online = OnlineCosts(CPU, "calibrated")
+    for _ in range(40):
+        online.observe_pass(1, T1)
+        online.observe_pass(4, CPU.verify_cost(4))
+    online.observe_pass(1, 30 * T1)                       # one pass while something else ran
+    assert online.current().verify[0] == pytest.approx(T1, rel=0.05)
+    for _ in range(12):                                    # a steady 2x: the level follows
+        online.observe_pass(1, 2 * T1)
+        online.observe_pass(4, 2 * CPU.verify_cost(4))
+    assert online.current().verify[0] == pytest.approx(2 * T1, rel=0.1)
+    assert online.current().verify_cost(16) == pytest.approx(2 * CPU.verify_cost(16), rel=0.1)
+
+
+def test_a_row_count_never_seen_follows_its_observed_neighbours():
+    online = OnlineCosts(CPU, "calibrated")
+    for _ in range(10):
+        online.observe_pass(3, CPU.verify_cost(3) / 2)
+        online.observe_pass(9, CPU.verify_cost(9) / 2)
+        online.observe_pass(1, T1)
+    c = online.current()
+    assert c.verify[0] == pytest.approx(T1, rel=0.1)
+    for k in (4, 6, 9, 20):
+        assert c.verify_cost(k) == pytest.approx(CPU.verify_cost(k) / 2, rel=0.15)
+
+
+def test_a_lasting_correction_is_written_back_once_a_noisy_one_is_not():
+    written = []
+    online = OnlineCosts(CPU, "cached", persist=lambda c: written.append(c) or True)
+    for _ in range(60):
+        online.observe_pass(1, T1 / 3)
+    assert len(written) == 1 and written[0].verify[0] == pytest.approx(T1 / 3, rel=0.05)
+    assert online.describe()["written_back"] and online.describe()["source"] == "corrected online"
+
+    written.clear()
+    noisy = OnlineCosts(CPU, "cached", persist=lambda c: written.append(c) or True)
+    rng = random.Random(1)
+    for _ in range(60):  # times all over the place: no lasting conclusion
+        noisy.observe_pass(1, T1 * math.exp(rng.uniform(-2, 2)))
+    assert written == []
+
+
+def test_describe_says_where_the_figures_came_from():
+    online = OnlineCosts(CPU, "calibrated (provisional)", prior=0)
+    d = online.describe()
+    assert d["source"] == "calibrated (provisional)" and d["passes_observed"] == 0
+    assert d["t1_ms"] == pytest.approx(60.0)
+    for _ in range(5):
+        online.observe_pass(1, 2 * T1)
+    d = online.describe()
+    assert d["source"] == "corrected online" and d["passes_observed"] == 5
+    assert d["t1_ms"] == pytest.approx(120.0, rel=0.05) and d["t1_calibrated_ms"] == pytest.approx(60.0)

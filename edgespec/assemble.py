@@ -157,6 +157,7 @@ def make_drafter(mode: str, target, draft_backend=None, *, gamma: int = 4, calib
                  progress: Optional[ProgressCallback] = None):
     """The drafter object for a mode, over loaded backends."""
     from .drafters.auto import AutoDrafter
+    from .drafters.copy import CopyDrafter
     from .drafters.model import ModelDrafter
     from .drafters.ngram import NgramDrafter
     n_vocab = max(target.n_vocab, draft_backend.n_vocab) if draft_backend is not None else target.n_vocab
@@ -168,14 +169,22 @@ def make_drafter(mode: str, target, draft_backend=None, *, gamma: int = 4, calib
     if mode == "ngram":
         return NgramDrafter(gamma)
     return AutoDrafter(make_policy(target, draft_backend, calibrate=calibrate, progress=progress),
-                       NgramDrafter(), model)
+                       CopyDrafter(), model)
 
 
 def make_policy(target, draft_backend=None, *, calibrate: str = "auto", progress=None):
-    from .calibrate import cached, load_or_measure, provisional
-    from .policy import Policy
-    if calibrate == "never":
-        costs = cached(target, draft_backend) or provisional(target, draft_backend)
-    else:
-        costs = load_or_measure(target, draft_backend, force=calibrate == "now", progress=progress)
-    return Policy(costs)
+    """auto's policy over this device's costs: calibrated (or cached), then followed online;
+    corrections that hold are written back to the calibration cache (not with "never")."""
+    from .calibrate import LoadMeter, obtain, write_back
+    from .policy import OnlineCosts, Policy
+    cal = obtain(target, draft_backend, mode=calibrate, progress=progress)
+    persist = None
+    if calibrate != "never":
+        meter = LoadMeter()  # other load since the last write: a busy spell's figures are not kept
+
+        def persist(costs):
+            return write_back(target, draft_backend, costs, meter)
+    source = cal.source + (" (provisional)" if cal.provisional else "")
+    # a doubtful calibration gets no say once the engine's own passes disagree with it
+    trust = 0 if cal.provisional or cal.source == "defaults" else 3
+    return Policy(OnlineCosts(cal.costs, source, prior=trust, persist=persist))

@@ -22,13 +22,28 @@ def summarize(rows: list[dict]) -> dict:
                 "ratio": statistics.mean(m["ratio"] for m in ms),  # of the per-prompt paired ratios
                 "acceptance": (sum(m.get("accepted", 0) for m in ms) / max(1, sum(m.get("drafted", 0) for m in ms))),
                 "identical": f"{sum(m['identical'] for m in ms)}/{len(ms)}"}
-        if "ngram_ceiling" in rs[0]:
+        if all("ngram_ceiling" in r for r in rs):
             d["ngram_ceiling"] = statistics.mean(r["ngram_ceiling"] for r in rs)
+            for m in d["modes"].values():
+                m["ceiling_fraction"] = ceiling_fraction(m["ratio"], d["ngram_ceiling"])
         if "t1_exact_acceptance" in rs[0]:
             d["t1_exact_acceptance"] = statistics.mean(r["t1_exact_acceptance"] for r in rs)
             d["t1_argmax_acceptance"] = statistics.mean(r["t1_argmax_acceptance"] for r in rs)
         out[kind] = d
     return out
+
+
+def ceiling_fraction(ratio: float, ceiling: float) -> float | None:
+    """How much of the hindsight ceiling's gain over plain decoding a mode reached: 1 is the
+    ceiling, 0 plain decoding, below 0 slower than plain. None where the ceiling is within 2%
+    of plain (nothing to reach: the fraction would be noise)."""
+    if ceiling - 1.0 < 0.02:
+        return None
+    return (ratio - 1.0) / (ceiling - 1.0)
+
+
+def _fraction(f) -> str:
+    return "-" if f is None else f"{100 * f:.0f}%"
 
 
 def format_table(summary: dict) -> str:
@@ -40,9 +55,17 @@ def format_table(summary: dict) -> str:
             lines.append(f"| {kind} | {name} | {m['tps']:.1f} | {d['plain_tps']:.1f} | {m['ratio']:.2f}x | "
                          f"{acc} | {m['identical']} |")
     if any("ngram_ceiling" in d for d in summary.values()):
-        lines += ["", "| kind | prompt-lookup ceiling: hindsight-best draft lengths, calibrated costs |", "|---|---|"]
+        # per kind, every mode beside the hindsight prompt-lookup ceiling of the same run
+        names = list(dict.fromkeys(n for d in summary.values() for n in d["modes"]))
+        lines += ["", "| kind | prompt-lookup ceiling | " + " | ".join(f"{n}: ratio, share of the ceiling's gain"
+                                                               for n in names) + " |",
+                  "|---|---|" + "---|" * len(names)]
         for kind, d in summary.items():
-            lines.append(f"| {kind} | {d['ngram_ceiling']:.2f}x |")
+            if "ngram_ceiling" not in d:
+                continue
+            cells = [f"{d['modes'][n]['ratio']:.2f}x, {_fraction(d['modes'][n].get('ceiling_fraction'))}"
+                     if n in d["modes"] else "-" for n in names]
+            lines.append(f"| {kind} | {d['ngram_ceiling']:.2f}x | " + " | ".join(cells) + " |")
     if any("t1_exact_acceptance" in d for d in summary.values()):
         lines += ["", "| kind | T=1 acceptance, exact min(1, p/q) | T=1 acceptance, argmax match |", "|---|---|---|"]
         for kind, d in summary.items():

@@ -1,0 +1,352 @@
+"""The ASGI application: OpenAI-compatible routes over one Engine.
+
+The app owns a Scheduler (worker.py). Loading starts in the lifespan, on the engine thread, so
+the server answers (/health: 503) while the model loads; generation requests get 503 until it
+is ready. Each generation request becomes a Job; the handler waits for the job to start (so a
+request that the engine refuses still gets a plain 400 rather than a broken stream), then
+either collects the answer or streams it as server-sent events. A client that disconnects,
+whether it waits in the queue or is being answered, cancels its job at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from typing import Any, Callable, Optional, Sequence
+
+import anyio
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+from ..errors import EdgespecError, UsageError
+from . import worker
+from .schemas import ApiError, ChatRequest, CompletionRequest, Envelope, error_body
+
+log = logging.getLogger("edgespec.server")
+
+# A prompt can only be as long as the context; 8 MiB of JSON is far beyond any context this
+# runs with and keeps a single request from exhausting memory before it is even parsed.
+MAX_BODY_BYTES = 8 * 2**20
+# What a stream gets to end cleanly when the server stops; under the command's 5 s graceful
+# shutdown, and far more than the one round a cancelled generation needs.
+SHUTDOWN_GRACE_SECONDS = 2.0
+
+
+def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str] = None,
+               cors_origins: Sequence[str] = (), queue_size: int = 8,
+               on_ready: Optional[Callable[[], None]] = None,
+               on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
+    """`load()` builds the Engine (it runs on the engine thread once the server listens);
+    `on_ready` / `on_load_error` tell the caller how that went."""
+
+    sched: Optional[worker.Scheduler] = None
+
+    async def loading(s: worker.Scheduler) -> None:
+        try:
+            await s.load(load)
+        except asyncio.CancelledError:  # the server stops while loading: not a failure to report
+            raise
+        except BaseException as exc:
+            log.debug("loading failed: %s", exc)
+            if on_load_error is not None:
+                on_load_error(exc)
+            return
+        if on_ready is not None:
+            on_ready()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        nonlocal sched
+        sched = worker.Scheduler(queue_size)
+        app.state.scheduler = sched
+        task = asyncio.create_task(loading(sched))
+        try:
+            yield
+        finally:
+            task.cancel()  # stops waiting for a load that has not finished; the thread is a daemon
+            await sched.close()
+
+    app = FastAPI(title="edgespec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if cors_origins:  # closed unless asked: a web page must not drive a local model by default
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+
+    # -- errors in OpenAI's shape ------------------------------------------------------------------
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        # FastAPI says 422; OpenAI clients expect 400 for any malformed request
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None  # the body's field, as OpenAI names it
+        if first.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        else:
+            message = f"{'.'.join(loc)}: {first['msg']}" if loc else str(first["msg"])
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message, code = f"unknown URL: {request.method} {request.url.path}", "unknown_url"
+        elif exc.status_code == 405:
+            message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        err = ApiError(exc.status_code, message, code=code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        # a bug must cost one request, never the server: uvicorn keeps running either way (and
+        # logs the traceback, as Starlette re-raises after this), this keeps the answer in the
+        # shape clients parse
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+    # -- routes ----------------------------------------------------------------------------------
+    def scheduler() -> worker.Scheduler:
+        assert sched is not None, "the app runs without its lifespan"
+        return sched
+
+    @app.get("/health")
+    async def health():
+        s = scheduler()
+        status = {"loading": "loading", "ready": "ok"}.get(s.state, s.state)
+        body = {"status": status, "model": model_id, "running": s.running, "waiting": s.waiting,
+                "served": s.served, "cancelled": s.cancelled}
+        return JSONResponse(body, status_code=200 if s.state == "ready" else 503)
+
+    async def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "edgespec"}]}
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest = Depends(_json(ChatRequest))):
+        s = scheduler()
+        messages = body.engine_messages()
+        kwargs = body.engine_kwargs(_n_ctx(s))
+        return await _answer(s, request, Envelope("chat", model_id), body,
+                             lambda engine: engine.stream_chat(messages, **kwargs))
+
+    @v1.post("/completions")
+    async def completions(request: Request, body: CompletionRequest = Depends(_json(CompletionRequest))):
+        s = scheduler()
+        prompt = body.engine_prompt()
+        kwargs = body.engine_kwargs(_n_ctx(s))
+        return await _answer(s, request, Envelope("text", model_id), body,
+                             lambda engine: engine.stream(prompt, **kwargs))
+
+    app.include_router(v1)
+    return app
+
+
+def _json(model: type[BaseModel]):
+    """A dependency that reads the body as JSON whatever its Content-Type says (FastAPI's own body
+    parameters would only parse application/json, and `curl -d` sends a form type), validated by
+    `model`; errors go through the RequestValidationError handler like FastAPI's own."""
+    async def parse(request: Request) -> BaseModel:
+        raw = await request.body()
+        try:
+            return model.model_validate_json(raw or b"{}")
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False)) from None
+    return parse
+
+
+def _n_ctx(s: worker.Scheduler) -> int:
+    _ready(s)
+    return s.engine.target.n_ctx
+
+
+def _ready(s: worker.Scheduler) -> None:
+    if s.state == "loading":
+        raise ApiError(503, "the model is still loading: retry when GET /health answers 200",
+                       code="model_loading", headers={"Retry-After": "5"})
+    if s.state != "ready":
+        raise ApiError(503, f"the model is not available ({s.state})", code="model_unavailable")
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read in full, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, job: worker.Job, awaitable):
+    """Await `awaitable`; if the client disconnects first, cancel the job and raise _ClientGone."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        job.cancel()
+        raise _ClientGone()
+    return work.result()
+
+
+async def _collect(job: worker.Job) -> tuple[str, tuple]:
+    parts = []
+    while True:
+        kind, value = await job.next()
+        if kind == worker.TEXT:
+            parts.append(value)
+        else:
+            return "".join(parts), (kind, value)
+
+
+def _failure(exc: BaseException) -> ApiError:
+    if isinstance(exc, UsageError):  # prompt too long for the context, bad token ids, template failure
+        return ApiError(400, str(exc))
+    if isinstance(exc, EdgespecError):
+        return ApiError(500, str(exc))
+    return ApiError(500, f"internal error: {type(exc).__name__}")
+
+
+def _cancelled() -> ApiError:
+    return ApiError(503, "the server is shutting down", code="shutting_down")
+
+
+async def _answer(s: worker.Scheduler, request: Request, env: Envelope, body, opener: Callable):
+    _ready(s)
+    try:
+        job = s.submit(opener)
+    except worker.QueueFull:
+        raise ApiError(503, f"the server is busy ({s.queue_size} requests already wait): retry later",
+                       code="queue_full", headers={"Retry-After": "1"}) from None
+    try:
+        kind, value = await _unless_gone(request, job, job.next())
+        if kind == worker.ERROR:
+            raise _failure(value)
+        if kind == worker.CANCELLED:
+            raise _cancelled()
+        if body.stream:
+            # the job belongs to the event stream from here on; it cancels it when the client goes
+            owned, job = job, None
+            # on shutdown sse-starlette sets this event, then waits the grace period before it
+            # cuts the stream: cancelling the job makes the stream end with an error event and
+            # [DONE] in that time instead of a connection cut mid-message
+            shutdown = anyio.Event()
+            watcher = asyncio.ensure_future(_cancel_when(shutdown, owned))
+
+            async def client_closed(message) -> None:
+                # also called when the client leaves before the body iterator has started, when
+                # closing the iterator would not reach the job
+                watcher.cancel()
+                owned.cancel()
+            return EventSourceResponse(_events(owned, env, body.include_usage, watcher), sep="\n",
+                                       client_close_handler_callable=client_closed,
+                                       shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
+        text, (kind, value) = await _unless_gone(request, job, _collect(job))
+        if kind == worker.ERROR:
+            raise _failure(value)
+        stats, reason = value
+        if reason == "cancelled":
+            raise _cancelled()
+        return JSONResponse(env.whole(text, stats, reason))
+    except _ClientGone:
+        return Response(status_code=204)  # nobody reads it
+    finally:
+        if job is not None:
+            job.cancel()  # no-op when it has ended; otherwise the handler itself was cancelled
+
+
+async def _cancel_when(event: anyio.Event, job: worker.Job) -> None:
+    await event.wait()
+    job.cancel()
+
+
+async def _events(job: worker.Job, env: Envelope, include_usage: bool, watcher: asyncio.Future):
+    """SSE data for one streamed answer; sse-starlette closes this generator (and so cancels the
+    job) as soon as the client disconnects."""
+    try:
+        if env.chat:  # OpenAI's streams open with the role
+            yield _dumps(env.chunk("", role=True))
+        while True:
+            kind, value = await job.next()
+            if kind == worker.TEXT:
+                yield _dumps(env.chunk(value))
+                continue
+            if kind == worker.END:
+                stats, reason = value
+                if reason != "cancelled":
+                    yield _dumps(env.last(stats, reason))
+                    if include_usage:
+                        yield _dumps(env.usage_chunk(stats))
+                    break
+                err = _cancelled()
+            else:
+                err = _failure(value) if kind == worker.ERROR else _cancelled()
+            # after the headers an error can only travel in the stream; OpenAI's clients raise it
+            yield _dumps(err.body())
+            break
+        yield "[DONE]"
+    finally:
+        watcher.cancel()
+        job.cancel()
+
+
+class _BodyLimit:
+    """Refuses request bodies over `limit` bytes (413) before they are read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.limit):
+                response = JSONResponse(
+                    ApiError(413, f"the request body is over {self.limit // 2**20} MiB").body(), status_code=413)
+                await response(scope, receive, send)
+                return
+            receive = self._counting(receive)
+        await self.app(scope, receive, send)
+
+    def _counting(self, receive):
+        seen = 0
+
+        async def counted():
+            # bodies sent without a length (chunked) are cut off at the same limit
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise ApiError(413, f"the request body is over {self.limit // 2**20} MiB")
+            return message
+        return counted

@@ -1,0 +1,195 @@
+"""`edgespec serve`: the command. The only part of the server that writes to the terminal.
+
+Imports nothing of the web stack at module level, so that `edgespec.cli` can register the verb
+on an install without the `server` extra; running it there says what to install.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from ..errors import EdgespecError, UsageError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_QUEUE = 8
+API_KEY_ENV = "EDGESPEC_API_KEY"
+
+DESCRIPTION = ("Serve one model pair over an OpenAI-compatible HTTP API (/health, /v1/models, "
+               "/v1/chat/completions, /v1/completions, streamed or not) for desktop apps and scripts. "
+               "Requests are answered one at a time, in arrival order; a conversation's next turn reuses "
+               "the KV cache of the prefix it shares with the previous request.")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `serve` verb on the CLI's subparsers."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible local HTTP server", description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import _add_model_args
+    _add_model_args(p)
+    p.add_argument("--host", default=DEFAULT_HOST, metavar="ADDR",
+                   help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="N",
+                   help=f"port (default {DEFAULT_PORT}; 0 = any free port, printed at start)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (default ${API_KEY_ENV}, which keeps "
+                   "the key out of the process list)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let a web page or an app's webview from ORIGIN (e.g. http://localhost:5173) call the "
+                   "API; repeatable, '*' for any (default: none)")
+    p.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE, metavar="N",
+                   help=f"requests that may wait while one is answered; beyond that, 503 (default {DEFAULT_QUEUE})")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: it may well be reachable from elsewhere
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket. Bound here rather than by uvicorn, to report a busy port in one line
+    and to learn the port that --port 0 got before anything is printed."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"cannot listen on {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)  # connections made while the model loads wait in the backlog, not refused
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                         "(another server there? pick another --port)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def model_id(settings) -> str:
+    """The name /v1/models lists: the pair's name, or the target file's."""
+    from ..hub import _looks_like_path
+    name = settings.target_name()
+    return Path(name).name if _looks_like_path(name) else name
+
+
+def check_model(settings) -> None:
+    """Refuse a misspelt pair name or a missing file before listening: loading itself happens
+    only once the server listens, and its failures would come after the address is printed."""
+    from ..errors import ModelFileError
+    from ..hub import _looks_like_path
+    from ..registry import load_registry
+    name = settings.target_name()
+    if not _looks_like_path(name):
+        load_registry(settings.models_file).get(name)  # RegistryError naming the known pairs
+    for path in (name if _looks_like_path(name) else None, settings.draft):
+        if path is not None and not Path(path).is_file():
+            raise ModelFileError(f"model file {path} does not exist: check the path, or pull a pair by name")
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stopped(signum, frame):
+    raise _Stopped()
+
+
+def cmd_serve(args) -> int:
+    from ..cli import ProgressBar, settings_from_args
+    settings = settings_from_args(args)  # every flag checked before anything binds or loads
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.queue_size < 0:
+        raise UsageError(f"--queue-size must be >= 0, got {args.queue_size}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty")
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as exc:
+        raise UsageError(f"the server needs packages that are not installed ({exc.name}): "
+                         "pip install 'edgespec[server]'") from None
+    from ..assemble import build
+
+    check_model(settings)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    name = model_id(settings)
+    if not is_loopback(args.host) and not args.api_key:
+        print(f"edgespec: warning: listening on {args.host} without --api-key: anyone who can reach this "
+              "machine can use the model", file=sys.stderr)
+    print(f"edgespec: listening on http://{shown}:{port} (loading {name}; /health says 503 until ready)",
+          file=sys.stderr, flush=True)
+
+    failed: list[BaseException] = []
+    server = None
+
+    def on_ready():
+        print(f"edgespec: ready: {name} at http://{shown}:{port}/v1", file=sys.stderr, flush=True)
+
+    def on_load_error(exc):
+        failed.append(exc)
+        server.should_exit = True
+
+    app = create_app(lambda: build(settings, progress=ProgressBar()), model_id=name, api_key=args.api_key,
+                     cors_origins=args.cors_origin, queue_size=args.queue_size, on_ready=on_ready,
+                     on_load_error=on_load_error)
+    config = uvicorn.Config(app, log_level="info" if args.verbose else "warning", access_log=args.verbose,
+                            lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again for
+        # whoever handled it before: make that a plain, successful stop rather than a traceback
+        # (SIGINT) or a death by signal (SIGTERM)
+        previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        server.run(sockets=[sock])
+    except (KeyboardInterrupt, _Stopped):
+        print("edgespec: stopped", file=sys.stderr)
+    finally:
+        sock.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if failed:
+        exc = failed[0]
+        if isinstance(exc, EdgespecError):
+            raise exc
+        raise EdgespecError(f"loading failed: {type(exc).__name__}: {exc}") from exc
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python -m edgespec.server`: the serve verb on its own (the CLI registers it as `serve`)."""
+    from ..cli import PROG, _Parser, _setup_logging
+    parser = _Parser(prog=f"{PROG} serve", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return cmd_serve(args)
+    except EdgespecError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130

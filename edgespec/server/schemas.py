@@ -1,0 +1,231 @@
+"""Request bodies of the OpenAI API subset this server speaks, and the response objects.
+
+Bodies are pydantic models in strict mode (JSON `true` is not a max_tokens of 1, `"5"` is not
+5), and ignore fields they do not know: OpenAI clients send many (user, store, metadata,
+parallel_tool_calls...) that mean nothing for a local model. Fields that would change the shape
+of the answer and that this server cannot honour (n > 1, logprobs, echo, suffix) are refused
+with a 400 instead of being silently dropped. Range checks are the engine's own (one source of
+truth), run here so that a bad request never waits in the queue.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import UsageError
+
+
+class ApiError(Exception):
+    """An error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or self.TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: Optional[bool] = None
+
+
+class _Generation(_Body):
+    model: Optional[str] = None  # one model is served, whatever the client names
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None      # not OpenAI's, but llama.cpp's server and most local clients send them
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = None
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: Optional[int] = None
+
+    def _limit(self) -> Optional[int]:
+        return self.max_tokens
+
+    def engine_kwargs(self, n_ctx: int) -> dict:
+        """Keyword arguments for Engine.stream/stream_chat, checked (ApiError 400)."""
+        from ..engine import _check_seed
+        from ..sampling import SamplingParams
+        if self.n not in (None, 1):
+            raise ApiError(400, "this server returns one choice per request: n must be 1", param="n")
+        if self.logprobs or self.top_logprobs:
+            raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+        # OpenAI's defaults: temperature 1, top_p 1 (a client that wants greedy says 0)
+        sampling = dict(temperature=1.0 if self.temperature is None else self.temperature,
+                        top_p=1.0 if self.top_p is None else self.top_p,
+                        top_k=self.top_k or 0, min_p=self.min_p or 0.0)
+        for name, value in sampling.items():  # one at a time, so that the error names its field
+            try:
+                SamplingParams(**{name: value})
+            except UsageError as exc:
+                raise ApiError(400, str(exc), param=name) from None
+        try:
+            _check_seed(self.seed)
+        except UsageError as exc:
+            raise ApiError(400, str(exc), param="seed") from None
+        limit = self._limit()
+        if limit is not None and limit < 1:
+            raise ApiError(400, f"max_tokens must be >= 1, got {limit}", param=self._limit_name())
+        # no limit: until the end of the answer or of the context, as OpenAI does
+        return dict(sampling, max_tokens=n_ctx if limit is None else limit, seed=self.seed,
+                    stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
+
+    def _limit_name(self) -> str:
+        return "max_tokens"
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+
+
+class ChatRequest(_Generation):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None  # the newer name of max_tokens
+
+    def _limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _limit_name(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def engine_messages(self) -> list[dict]:
+        """[{'role', 'content'}] for the chat template: text parts joined, the 'developer' role
+        (OpenAI's new name for system) renamed for templates that only know 'system'."""
+        out = []
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                parts = []
+                for part in m.content:
+                    if part.type != "text" or part.text is None:
+                        raise ApiError(400, f"message {i} has a {part.type!r} part; this server's model reads "
+                                       "text only", param=f"messages.{i}.content")
+                    parts.append(part.text)
+                content = "".join(parts)
+            else:
+                content = m.content or ""  # assistant turns that held only tool calls
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        return out
+
+
+class CompletionRequest(_Generation):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def engine_prompt(self) -> Union[str, list[int]]:
+        """The one prompt, as text or token ids."""
+        if self.echo:
+            raise ApiError(400, "echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise ApiError(400, "suffix (fill-in-the-middle) is not supported by this server", param="suffix")
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "best_of must be 1", param="best_of")
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ApiError(400, "this server takes one prompt per request", param="prompt")
+            p = p[0]
+        if not p:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return p
+
+
+# -- responses ----------------------------------------------------------------------------------
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+def finish_reason(reason: str) -> str:
+    """The engine's reason in OpenAI's words: the context filling up is a length limit too."""
+    return FINISH.get(reason, "stop")
+
+
+def usage(stats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated,
+            "total_tokens": stats.prompt_tokens + stats.generated,
+            # OpenAI's field for a prompt prefix served from cache: here, the reused KV cache
+            "prompt_tokens_details": {"cached_tokens": stats.reused_prompt_tokens}}
+
+
+def speculation(stats, reason: str) -> dict:
+    """The `edgespec` extension field: what speculation did for this request."""
+    return {"drafter": stats.drafter, "drafted": stats.drafted, "accepted": stats.accepted,
+            "acceptance_rate": round(stats.acceptance_rate, 4), "target_forwards": stats.target_forwards,
+            "reused_prompt_tokens": stats.reused_prompt_tokens, "by_drafter": stats.by_drafter,
+            "prompt_seconds": round(stats.prompt_seconds, 4), "decode_seconds": round(stats.decode_seconds, 4),
+            "tokens_per_second": round(stats.tokens_per_second, 2), "finish_reason": reason}
+
+
+class Envelope:
+    """id, object, created and model, shared by every chunk of one response."""
+
+    def __init__(self, kind: str, model: str):
+        self.chat = kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+
+    def _head(self, streamed: bool) -> dict:
+        obj = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, stats, reason: str) -> dict:
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
+                  else {"index": 0, "text": text})
+        choice.update(logprobs=None, finish_reason=finish_reason(reason))
+        return {**self._head(False), "choices": [choice], "usage": usage(stats),
+                "edgespec": speculation(stats, reason)}
+
+    def chunk(self, text: Optional[str], *, role: bool = False, reason: Optional[str] = None) -> dict:
+        if self.chat:
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update(logprobs=None, finish_reason=finish_reason(reason) if reason else None)
+        return {**self._head(True), "choices": [choice]}
+
+    def last(self, stats, reason: str) -> dict:
+        out = self.chunk(None if self.chat else "", reason=reason)
+        out["edgespec"] = speculation(stats, reason)
+        return out
+
+    def usage_chunk(self, stats) -> dict:
+        return {**self._head(True), "choices": [], "usage": usage(stats)}

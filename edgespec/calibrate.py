@@ -215,7 +215,7 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
         if draft is not None:
             step()
         tick("warming up")
-        if all(_settled(v) for v in warm.values()) or (i >= 2 and clock() - t_start > WARM_BUDGET):
+        if all(_settled(v) for v in warm.values()) or clock() - t_start > WARM_BUDGET:
             break
     busy = _contended(meter.others(), limit)
     if busy:  # give a passing spell a moment to end before concluding anything

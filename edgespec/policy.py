@@ -206,6 +206,7 @@ class OnlineCosts:
         self.passes = 0
         self.draft_steps = 0
         self.last_seen: dict[str, int] = {}
+        self.streaks: dict[tuple, tuple] = {}  # per window: (way of the last surprises, how many in a row)
         self.patience: dict[str, int] = {}
         self.explorations = 0
         self.persisted: Optional[Costs] = None
@@ -284,10 +285,10 @@ class OnlineCosts:
         self.level_obs.append(r - self.offsets()[k - 1])
         self.level = median(list(self.level_obs) + [0.0] * self.prior)
         obs = self.k_obs.setdefault(k, deque(maxlen=self.K_WINDOW))
-        obs.append(r - self.level)
+        self._append(obs, r - self.level, _log_ratio(seconds, believed), ("rows", k))
         self.passes += 1
-        self._seen(self.bucket(k), _log_ratio(seconds, believed))
         self._offsets = self._current = None
+        self._seen(self.bucket(k), _log_ratio(seconds, believed), _log_ratio(self.current().verify_cost(k), believed))
         self._maybe_persist()
 
     def observe_draft(self, steps: int, seconds: float) -> None:
@@ -296,22 +297,47 @@ class OnlineCosts:
             return
         believed = self.current().draft_step
         r = _log_ratio(seconds / steps, self.base.draft_step)
-        self.draft_obs.append(r - self.level)
+        self._append(self.draft_obs, r - self.level, _log_ratio(seconds / steps, believed), ("draft",))
         self.draft_steps += 1
-        self._seen("draft", _log_ratio(seconds / steps, believed))
         self._current = None
+        self._seen("draft", _log_ratio(seconds / steps, believed), _log_ratio(self.current().draft_step, believed))
 
-    def _seen(self, key: str, surprise: float) -> None:
-        """Agreement doubles the patience of `key`; a surprise means the device is not what it
-        was believed to be, so every belief is re-tested soon."""
+    def _append(self, obs: deque, value: float, surprise: float, key: tuple) -> None:
+        """Add an observation to a window. Three surprises in a row, the same way, mark a change
+        of the device (an outlier is one, rarely two): the window restarts from them, or a
+        rarely observed row count would wait for its whole window to turn over."""
+        tol = max(self.AGREE, 2 * self.noise())
+        sign = (surprise > tol) - (surprise < -tol)
+        way, count = self.streaks.get(key, (0, 0))
+        count = count + 1 if sign and sign == way else 1
+        self.streaks[key] = (sign, count)
+        obs.append(value)
+        if sign and count >= 3:
+            recent = list(obs)[-3:]
+            obs.clear()
+            obs.extend(recent)
+
+    def _seen(self, key: str, surprise: float, moved: float) -> None:
+        """An observation `surprise` (log) away from the belief: within the noise of recent
+        passes, it doubles the patience of `key`; beyond it, `key` is looked at again soon
+        (an outlier, or a change?); one that moved the belief itself (`moved`, log) means the
+        device is not what it was believed to be: every belief is re-tested soon."""
         soon, first, most = self.PATIENCE
-        if abs(surprise) < self.AGREE:
-            self.patience[key] = min(2 * self.patience.get(key, first), most)
-        else:
+        tol = max(self.AGREE, 2 * self.noise())
+        if abs(moved) > tol:
             for k in self.patience:
                 self.patience[k] = min(self.patience[k], first)
             self.patience[key] = soon
+        elif abs(surprise) < tol:
+            self.patience[key] = min(2 * self.patience.get(key, first), most)
+        else:  # an outlier or the first sign of a change: look again soon to tell which
+            self.patience[key] = soon
         self.last_seen[key] = self.rounds
+
+    def noise(self) -> float:
+        """The spread (interquartile, log) of the latest passes against the belief."""
+        q = sorted(self.level_obs)
+        return q[3 * len(q) // 4] - q[len(q) // 4] if len(q) >= 8 else 0.0
 
     def _maybe_persist(self) -> None:
         """Write the corrected curve back once it has held over PERSIST_AFTER passes with a
@@ -323,9 +349,7 @@ class OnlineCosts:
         moved = max(abs(_log_ratio(a, b)) for a, b in zip(now.verify, ref.verify))
         if moved < self.PERSIST_GAP:
             return
-        q = sorted(self.level_obs)
-        spread = q[3 * len(q) // 4] - q[len(q) // 4]
-        if spread > self.PERSIST_GAP:  # the device is not steady now: no lasting conclusion
+        if self.noise() > self.PERSIST_GAP:  # the device is not steady now: no lasting conclusion
             return
         if self.persist(now):
             self.persisted = now

@@ -177,3 +177,16 @@ def test_describe_says_where_the_figures_came_from():
     d = online.describe()
     assert d["source"] == "corrected online" and d["passes_observed"] == 5
     assert d["t1_ms"] == pytest.approx(120.0, rel=0.05) and d["t1_calibrated_ms"] == pytest.approx(60.0)
+
+
+def test_a_noisy_device_does_not_make_it_explore_or_drift():
+    # jitter of 20% on every pass, and one pass in twenty slowed 5x (other processes)
+    rng = random.Random(2)
+
+    def noisy(i):
+        f = math.exp(rng.gauss(0, 0.2)) * (5.0 if rng.random() < 0.05 else 1.0)
+        return scaled(CPU, verify=f, step=f)
+    rounds, policy = run(CPU, noisy, n=2000)
+    assert model_share(rounds, 0) < 0.02
+    assert policy.online.explorations <= 20
+    assert policy.costs.verify[0] == pytest.approx(T1, rel=0.15)

@@ -462,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     _setup_calibrate(sub)
     _setup_models(sub)
     _setup_plan(sub)
+    from .server import add_parser as add_serve  # the web stack itself is imported when `serve` runs
+    add_serve(sub)
     return parser
 
 

@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .drafters import NO_DRAFT, Round
-from .errors import BackendError, DamagedModelError, EngineClosedError, UsageError
+from .errors import BackendError, DamagedModelError, EdgespecError, EngineClosedError, UsageError
 from .sampling import SamplingParams, verify, verify_greedy, warp
 
 FINISH_REASONS = ("eos", "length", "stop", "context", "cancelled")
@@ -82,9 +82,9 @@ class GenerationResult:
 @dataclass(frozen=True)
 class StreamEvent:
     text: str                     # text that became printable with this token (may be empty)
-    token: Optional[int]          # None only in the one event of a request that generated nothing
+    token: Optional[int]          # None in the closing event
     from_draft: bool              # the token was a draft the target accepted
-    finish_reason: Optional[str] = None  # set on the last event: why generation ended
+    finish_reason: Optional[str] = None  # set on the closing event only: why generation ended
 
 
 def _check_seed(seed) -> None:
@@ -112,6 +112,16 @@ def _check_stop(stop) -> tuple[str, ...]:
     return tuple(s for s in (_check_text("each stop string", s) for s in stop) if s)
 
 
+def _stop_prefix(text: str, stop: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the start of a stop string: they are
+    held back until the next token says whether the stop string follows."""
+    for k in range(min(len(text), max((len(s) for s in stop), default=1) - 1), 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stop):
+            return k
+    return 0
+
+
 def _pad(rows: np.ndarray, width: int) -> np.ndarray:
     if rows.shape[1] == width:
         return rows
@@ -131,7 +141,7 @@ class Stream:
         self.tokens: list[int] = []
         self._text: list[str] = []
         self._cancel = threading.Event()
-        self._outdated: Optional[str] = None
+        self._outdated: Optional[EdgespecError] = None  # raised when resumed
         self._thread = threading.get_ident()
 
     @property
@@ -150,10 +160,10 @@ class Stream:
 
     def __next__(self) -> StreamEvent:
         if self._outdated:
-            raise UsageError(self._outdated)
+            raise self._outdated
         with self._engine._work:
             if self._outdated:
-                raise UsageError(self._outdated)
+                raise self._outdated
             try:
                 ev = next(self._gen)
             except BaseException:
@@ -180,8 +190,8 @@ class Stream:
     def _release(self) -> None:
         self._engine._release(self)
 
-    def _invalidate(self, why: str) -> None:
-        self._outdated = why
+    def _invalidate(self, error: EdgespecError) -> None:
+        self._outdated = error
         self._gen.close()
 
     def __enter__(self):
@@ -271,7 +281,7 @@ class Engine:
             self._slot.notify_all()
         with self._work:
             if active is not None:
-                active._invalidate("this engine was closed while the stream was open")
+                active._invalidate(EngineClosedError("this engine was closed while the stream was open"))
                 self._release(active)
             if self.drafter is not None:
                 self.drafter.close()
@@ -305,8 +315,8 @@ class Engine:
                 if active is None:
                     break
                 if active._thread == me:
-                    active._invalidate("this stream is outdated: another generation started on the same engine "
-                                       "before it finished; read streams to their end or close() them")
+                    active._invalidate(UsageError("this stream is outdated: another generation started on the same "
+                                                  "engine before it finished; read streams to their end or close() them"))
                     self._active = None
                     break
                 self._slot.wait()
@@ -395,7 +405,9 @@ class Engine:
         A text prompt is tokenized verbatim (BOS added, special tokens parsed); a list of ints
         is taken as token ids. Generation ends at an end-of-generation token ("eos"), after
         `max_tokens` ("length"), at a stop string, not included ("stop"), when the context is
-        full ("context") or on `cancel()` ("cancelled"). The last event carries the reason.
+        full ("context") or on `cancel()` ("cancelled"). Each token's event comes as soon as it
+        is committed; a closing event (token None) carries any text held back (the start of a
+        possible stop string, an unfinished character) and the finish reason.
         """
         params = SamplingParams(temperature, top_k, top_p, min_p)
         if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
@@ -424,46 +436,41 @@ class Engine:
         return stream
 
     def _events(self, prompt_tokens, max_tokens, params, seed, stop, stats, holder) -> Iterator[StreamEvent]:
-        """Token ids -> events with printable text; one event of lookahead, so that the last
-        event can carry the finish reason and the decoder's final flush."""
+        """Token ids -> events with printable text, each as soon as it is committed; then one
+        closing event (token None) with the text held back and the finish reason."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        hold = max((len(s) for s in stop), default=1) - 1  # chars that may start a stop string
         text = ""        # decoded, not yet emitted
-        prev = None
         gen = self._loop(prompt_tokens, max_tokens, params, seed, stats, holder)
         try:
             for token, from_draft in gen:
                 text += decoder.decode(self.target.token_to_piece(token))
                 hit = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
                 if hit >= 0:
-                    if prev:
-                        yield prev
                     stats.finish_reason = "stop"
-                    yield StreamEvent(text[:hit], token, from_draft, "stop")
-                    return
-                cut = max(0, len(text) - hold)
-                if prev:
-                    yield prev
-                prev, text = StreamEvent(text[:cut], token, from_draft), text[cut:]
-            tail = text + decoder.decode(b"", final=True)
-            if prev:
-                yield StreamEvent(prev.text + tail, prev.token, prev.from_draft, stats.finish_reason)
+                    yield StreamEvent(text[:hit], token, from_draft)
+                    text = ""
+                    break
+                cut = len(text) - _stop_prefix(text, stop)
+                yield StreamEvent(text[:cut], token, from_draft)
+                text = text[cut:]
             else:
-                yield StreamEvent(tail, None, False, stats.finish_reason)
+                text += decoder.decode(b"", final=True)
+            yield StreamEvent(text, None, False, stats.finish_reason)
         finally:
             gen.close()
             if holder:
                 self._release(holder[0])
 
-    def _prefill(self, tokens: list[int]) -> np.ndarray:
-        """Put the prompt in the target's cache and return its last row of logits. An exact
+    def _prefill(self, tokens: list[int]) -> tuple[np.ndarray, int]:
+        """Put the prompt in the target's cache; return its last row of logits and how many
+        prompt positions were already in the cache. An exact
         repeat of the last prompt reuses that row, so it takes the same path as the first time
         (re-evaluating the last token alone would round differently)."""
         target = self.target
         saved = self._prompt_row
         if (saved is not None and saved[0] == tuple(tokens) and target.n_past >= len(tokens)
                 and target.tokens[:len(tokens)] == tokens and target.truncate(len(tokens))):
-            return saved[1]
+            return saved[1], len(tokens)
         self._prompt_row = None
         # the whole rest of the prompt in one batch, as plain llama.cpp decoding does (a
         # token's KV depends, in its last bits, on the batch it was computed in)
@@ -471,7 +478,7 @@ class Engine:
         row = target.eval(tokens[kept:], [len(tokens) - kept - 1])
         self._check_finite(row)
         self._prompt_row = (tuple(tokens), row)
-        return row
+        return row, kept
 
     def _check_finite(self, logits: np.ndarray) -> None:
         if len(logits) and not np.isfinite(logits.max(axis=1)).all():
@@ -486,9 +493,7 @@ class Engine:
         rng = np.random.default_rng(seed)
         tokens = list(prompt_tokens)
         t0 = time.perf_counter()
-        kept_before = target.n_past
-        carry = self._prefill(tokens)
-        stats.reused_prompt_tokens = min(kept_before, target.n_past, len(tokens))
+        carry, stats.reused_prompt_tokens = self._prefill(tokens)
         stats.target_forwards += 1
         if drafter is not None:
             drafter.begin(tokens)
@@ -570,5 +575,5 @@ class _Placeholder:
     def cancel(self) -> None:
         pass
 
-    def _invalidate(self, why: str) -> None:
+    def _invalidate(self, error) -> None:
         pass

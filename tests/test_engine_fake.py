@@ -33,12 +33,12 @@ def test_stream_splits_no_character_and_joins_to_the_full_text():
     events = list(engine().stream("0", max_tokens=12))
     texts = [e.text for e in events]
     assert all("\ufffd" not in t for t in texts)
-    full = b"".join(PIECES[e.token] for e in events).decode()
+    full = b"".join(PIECES[e.token] for e in events[:-1]).decode()
     assert "".join(texts) == full == "hé 😀! ok.hé 😀! ok."
-    assert [e.token for e in events] == [1, 2, 3, 4, 5, 0] * 2
+    # one event per token as soon as it is committed, then a closing event saying why it ended
+    assert [e.token for e in events] == [1, 2, 3, 4, 5, 0] * 2 + [None]
     assert any(e.from_draft for e in events)
-    # only the last event says why the generation ended
-    assert [e.finish_reason for e in events] == [None] * 11 + ["length"]
+    assert [e.finish_reason for e in events] == [None] * 12 + ["length"]
 
 
 @pytest.mark.parametrize("stop, expect", [("😀!", "hé "), ("ok.h", "hé 😀! "), ("é 😀", "h")])
@@ -46,18 +46,27 @@ def test_stop_string_across_tokens_ends_generation_before_it(stop, expect):
     result = engine().generate("0", max_tokens=50, stop=[stop])
     assert result.text == expect
     assert result.stats.finish_reason == result.finish_reason == "stop"
+    events = list(engine().stream("0", max_tokens=50, stop=[stop]))
+    assert "".join(e.text for e in events) == expect and events[-1].finish_reason == "stop"
+
+
+def test_text_is_held_back_only_while_it_may_start_a_stop_string():
+    events = list(engine().stream("0", max_tokens=6, stop=["ok!"]))
+    # "ok" of token 5 could start "ok!": held until token 0 (".") says it does not
+    assert [e.text for e in events] == ["h", "é ", "", "😀!", " ", "ok.", ""]
+    assert events[-1].finish_reason == "length"
 
 
 def test_eos_stops_and_is_not_emitted():
     eng = engine(eos=4)
     stream = eng.stream("0", max_tokens=50)
     events = list(stream)
-    assert [e.token for e in events] == [1, 2, 3]
+    assert [e.token for e in events] == [1, 2, 3, None]
     assert stream.finish_reason == "eos" and events[-1].finish_reason == "eos"
     assert stream.tokens == [1, 2, 3] and stream.text == "hé \ufffd"  # an unfinished character
 
 
-def test_a_request_that_generates_nothing_still_ends_with_an_event_saying_why():
+def test_a_request_that_generates_nothing_still_ends_with_the_closing_event():
     eng = engine(eos=1)
     events = list(eng.stream("0", max_tokens=5))
     assert [(e.token, e.text, e.finish_reason) for e in events] == [(None, "", "eos")]
@@ -135,3 +144,11 @@ def test_nan_logits_are_a_backend_error_naming_the_file():
             eng.generate("0", max_tokens=5, temperature=temperature)
         # the engine stays usable for a prompt that avoids the damaged row
         assert eng.generate("4", max_tokens=1).tokens == [5]
+
+
+def test_reused_prompt_tokens_counts_the_prefix_really_kept():
+    eng = engine()
+    assert eng.generate("0 1 2 3", max_tokens=3).stats.reused_prompt_tokens == 0
+    assert eng.generate("0 1 2 5", max_tokens=3).stats.reused_prompt_tokens == 4   # BOS 0 1 2
+    assert eng.generate("4 4", max_tokens=3).stats.reused_prompt_tokens == 1        # BOS only
+    assert eng.generate("4 4", max_tokens=3).stats.reused_prompt_tokens == 3        # an exact repeat

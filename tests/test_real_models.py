@@ -211,7 +211,7 @@ def test_stream_text_equals_generate_text_and_marks_draft_tokens(smol, smol_draf
     assert stream.stats.reused_prompt_tokens == stream.stats.prompt_tokens  # the repeat reused the cache
     assert events[-1].finish_reason == stream.finish_reason == r.finish_reason
     assert "".join(e.text for e in events) == r.text
-    assert [e.token for e in events] == r.tokens
+    assert [e.token for e in events] == r.tokens + [None]  # then the closing event
     assert sum(e.from_draft for e in events) == r.stats.accepted
     s = r.stats.as_dict()
     for key in ("drafted", "accepted", "acceptance_rate", "target_forwards", "generated",

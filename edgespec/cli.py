@@ -468,7 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_verb(build_parser().parse_args(argv))
+
+
+def run_verb(args) -> int:
+    """Run a parsed verb: library errors become one line on stderr and their exit code."""
     _setup_logging(getattr(args, "verbose", False))
     try:
         return args.func(args)

@@ -315,8 +315,9 @@ class Engine:
                 if active is None:
                     break
                 if active._thread == me:
-                    active._invalidate(UsageError("this stream is outdated: another generation started on the same "
-                                                  "engine before it finished; read streams to their end or close() them"))
+                    active._invalidate(UsageError(
+                        "this stream is outdated: another generation started on the same engine before it "
+                        "finished; read streams to their end or close() them"))
                     self._active = None
                     break
                 self._slot.wait()

@@ -180,16 +180,5 @@ def cmd_serve(args) -> int:
 
 def main(argv=None) -> int:
     """`python -m edgespec.server`: the serve verb on its own (the CLI registers it as `serve`)."""
-    from ..cli import PROG, _Parser, _setup_logging
-    parser = _Parser(prog=f"{PROG} serve", description=DESCRIPTION)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
-    try:
-        return cmd_serve(args)
-    except EdgespecError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    from ..cli import main as cli_main
+    return cli_main(["serve", *(argv if argv is not None else sys.argv[1:])])

@@ -1,15 +1,22 @@
 """Will it fit? Peak resident memory estimated from GGUF metadata, before loading anything.
 
-The parts, as llama.cpp allocates them on a CPU (figures checked against its own logs):
-- weights: the file's tensors, memory-mapped and all touched;
-- repacked weights: on x86 CPUs llama.cpp keeps an interleaved copy of Q4_0/Q4_K/IQ4_NL
-  block tensors (CPU_REPACK buffer) beside the mapped original;
-- KV cache: layers x n_ctx x kv_heads x head_dim x (K + V) in f16;
+The parts, as llama.cpp allocates them on a CPU:
+- weights: the file's tensors, memory-mapped with MAP_POPULATE, so all of them resident;
+- copied weights: llama.cpp keeps a second, interleaved copy of some quantized matrix types in
+  an extra CPU buffer (CPU_REPACK; on x86 with AVX2: Q4_0, Q4_K, IQ4_NL, MXFP4, and Q2_K with
+  AVX-512) beside the mapped original. Which types depends on the CPU and the build:
+  `probe.machine_figures()` measures it on this machine (see probe.py);
+- KV cache: layers x n_ctx x kv_heads x (K + V head sizes) in f16;
 - activations: llama.cpp reserves a compute buffer for the worst case (all logits of a
   512-token micro-batch), but edgespec asks for logits on a few rows only, so what becomes
-  resident is the activations of a prompt micro-batch: ~2.7 x n_ubatch x (n_ff + n_embd) f32;
-- vocabulary tables, in llama.cpp and in Python: ~270 bytes per token and ~170 per BPE merge;
-- the Python process itself (interpreter, numpy, llama-cpp-python): 71 MiB;
+  resident is the activations of a prompt micro-batch: n_ubatch x (2.5 n_ff + 4.7 n_embd) f32;
+- vocabulary tables: llama.cpp's (token strings, lookup maps, BPE ranks) and edgespec's own
+  token list (GGUFInfo.tokens);
+- the runtime: a fresh interpreter with numpy, llama-cpp-python and edgespec imported, plus
+  what a llama.cpp context and its first decode add besides its buffers (thread pool, work
+  buffers, the CPU kernels' code pages). Both are measured on this machine by the probe (the
+  Python, numpy, BLAS and llama.cpp build vary between machines); a small fixed remainder for
+  what a run adds on top (chat template, the engine's objects) stays a constant;
 - the n-gram index (a dict entry per n-gram length per context token).
 GPU-offloaded layers live in device memory, not in the process's RSS.
 """
@@ -21,17 +28,24 @@ from dataclasses import asdict, dataclass
 from .errors import UsageError
 
 MiB = 2**20
-# Fitted to whole-process peak RSS of SmolLM2-135M (n_ctx 2048) and Qwen2.5-Coder 0.5B (8192) /
-# 1.5B (2048) with a 750-token prompt; Qwen 1.5B at 8192 is an out-of-sample check. Those three
-# vocabularies are all BPE (a merge per token), so they fix only the sum 440 B per token; its split
-# into tokens and merges was set from gemma-3-270m (SentencePiece, no merges) - README, "Memory".
-RUNTIME_BASE = 71 * MiB
-VOCAB_BYTES_PER_TOKEN = 270
-VOCAB_BYTES_PER_MERGE = 170
-ACTIVATION_FACTOR = 2.7
+# Constants that do not depend on the machine (sizes of llama.cpp's and CPython's data
+# structures on 64-bit Linux, ggml's graph allocator), fitted to whole-process peak RSS of
+# SmolLM2-135M, gemma-3-270m and Qwen2.5-Coder 0.5B / 1.5B on two llama.cpp builds of the same
+# machine (AVX-512 and AVX2-only) - README, "Memory". What does vary between machines comes
+# from probe.machine_figures().
+RUN_EXTRA = 16 * MiB                # what a run adds beyond the probe's interpreter and context
+VOCAB_BYTES_PER_TOKEN = 275         # llama.cpp's vocabulary + edgespec's token list, per token
+VOCAB_BYTES_PER_MERGE = 160         # llama.cpp's BPE ranks, per merge
+ACTIVATION_FF = 2.5                 # resident f32 activations per micro-batch token, x n_ff
+ACTIVATION_EMBD = 4.7               # ... and x n_embd
 NGRAM_BYTES_PER_TOKEN = 8 * 160  # N_MAX dict entries of a short tuple key each
-REPACKED_TYPES = {"Q4_0", "Q4_K", "IQ4_NL"}
 N_UBATCH = 512
+
+
+def machine_figures() -> dict:
+    """This machine's measured figures (probe.py): runtime, context overhead, copied types."""
+    from .probe import machine_figures as figures
+    return figures()
 
 
 @dataclass(frozen=True)
@@ -52,31 +66,59 @@ def _arch(info, key, default=None):
     return info.fields.get(f"{info.architecture}.{key}", default)
 
 
+def _per_layer(value, n_layer: int, default: int) -> list[int]:
+    """A hyperparameter that GGUF stores either once or per layer (an array)."""
+    if value is None:
+        return [default] * n_layer
+    if isinstance(value, (list, tuple)):
+        vals = [int(v) for v in value][:n_layer]
+        return vals + [vals[-1] if vals else default] * (n_layer - len(vals))
+    return [int(value)] * n_layer
+
+
 def estimate_model(info, n_ctx: int, *, n_ubatch: int = N_UBATCH, gpu_layers: int = 0,
-                   rows: int = 33) -> ModelEstimate:
-    """`info`: a GGUFInfo. `gpu_layers`: layers llama.cpp will offload (0 on a CPU-only build)."""
+                   rows: int = 33, repacked_types=None) -> ModelEstimate:
+    """`info`: a GGUFInfo. `gpu_layers`: layers llama.cpp will offload (0 on a CPU-only build).
+    `repacked_types`: the weight types llama.cpp copies on this CPU (default: measured)."""
     from gguf.constants import GGMLQuantizationType
 
     from .ggufinfo import _tensor_bytes
-    n_layer = int(_arch(info, "block_count", 1))
-    n_embd = int(_arch(info, "embedding_length", 0))
-    n_head = int(_arch(info, "attention.head_count", 1) or 1)
-    n_head_kv = int(_arch(info, "attention.head_count_kv", n_head) or n_head)
-    k_len = int(_arch(info, "attention.key_length", n_embd // n_head))
-    v_len = int(_arch(info, "attention.value_length", n_embd // n_head))
-    on_cpu = max(0, n_layer - max(0, gpu_layers)) / n_layer if n_layer else 1.0
+    if repacked_types is None:
+        repacked_types = machine_figures()["repacked_types"]
+    repacked_types = set(repacked_types)
+    n_layer = int(_arch(info, "block_count", 1) or 1)
+    n_embd = int(_arch(info, "embedding_length", 0) or 0)
+    heads = _per_layer(_arch(info, "attention.head_count"), n_layer, 1)
+    raw_kv = _arch(info, "attention.head_count_kv")
+    # per layer, 0 means a layer without attention (hybrid models); once, 0 or absent means MHA
+    heads_kv = _per_layer(raw_kv, n_layer, 0) if isinstance(raw_kv, (list, tuple)) else \
+        [int(raw_kv or 0) or h for h in heads]
+    k_len = int(_arch(info, "attention.key_length", n_embd // max(heads[0], 1)))
+    v_len = int(_arch(info, "attention.value_length", n_embd // max(heads[0], 1)))
+    n_cpu = max(0, n_layer - max(0, gpu_layers))
+    on_cpu = n_cpu / n_layer
+    output_on_cpu = gpu_layers <= n_layer
+    tensors = info.fields["_tensors"]
     weights = repacked = 0
-    for name, (dims, ttype) in info.fields["_tensors"].items():
+    for name, (dims, ttype) in tensors.items():
         size = _tensor_bytes(dims, ttype)
         block = name.startswith("blk.")
-        share = on_cpu if block else (1.0 if gpu_layers <= n_layer else 0.0)
+        share = on_cpu if block else (1.0 if output_on_cpu else 0.0)
         weights += int(size * share)
-        if block and GGMLQuantizationType(ttype).name in REPACKED_TYPES:
-            repacked += int(size * on_cpu)
-    kv = int(n_layer * on_cpu) * n_ctx * n_head_kv * (k_len + v_len) * 2
-    n_ff = int(_arch(info, "feed_forward_length", 4 * n_embd) or 4 * n_embd)
+        if len(dims) < 2 or GGMLQuantizationType(ttype).name not in repacked_types:
+            continue
+        # copied: matrices that multiply (not the embedding table, which is only gathered
+        # from), and the embedding's duplicate that serves as the output matrix when the file
+        # ties the two
+        tied_output = name == "token_embd.weight" and "output.weight" not in tensors
+        if block or name == "output.weight" or tied_output:
+            repacked += int(size * share)
+    # the KV cache of the layers on the CPU, the first n_cpu (llama.cpp offloads the last ones);
+    # sliding-window layers keep a full-size cache too (swa_full is on by default)
+    kv = n_ctx * sum(h * (k_len + v_len) * 2 for h in heads_kv[:n_cpu])
+    n_ff = max(_per_layer(_arch(info, "feed_forward_length"), n_layer, 4 * n_embd)) or 4 * n_embd
     ub = min(n_ubatch, n_ctx)
-    activations = int(ACTIVATION_FACTOR * ub * (n_ff + n_embd) * 4)
+    activations = int(ub * 4 * (ACTIVATION_FF * n_ff + ACTIVATION_EMBD * n_embd))
     merges = int(info.fields.get("tokenizer.ggml.merges.count", 0))
     vocab = VOCAB_BYTES_PER_TOKEN * info.n_vocab + VOCAB_BYTES_PER_MERGE * merges
     return ModelEstimate(weights, repacked, kv, activations, vocab, rows * info.n_vocab * 4)
@@ -85,13 +127,23 @@ def estimate_model(info, n_ctx: int, *, n_ubatch: int = N_UBATCH, gpu_layers: in
 def estimate_process(target_info, draft_info=None, *, n_ctx: int, drafter: str = "none",
                      gpu_layers: int = 0, draft_gpu_layers: int = 0) -> dict:
     """Whole-process peak RSS for a configuration, by part (bytes)."""
+    fig = machine_figures()
+    repacked_types = fig["repacked_types"]
     # logits rows the target returns per pass: one when decoding plainly, up to 33 when verifying
-    t = estimate_model(target_info, n_ctx, gpu_layers=gpu_layers, rows=1 if drafter == "none" else 33)
-    parts = {"runtime": RUNTIME_BASE, "target": t.total, "target_parts": asdict(t)}
+    t = estimate_model(target_info, n_ctx, gpu_layers=gpu_layers, rows=1 if drafter == "none" else 33,
+                       repacked_types=repacked_types)
+    contexts = 1
+    runtime_parts = {"interpreter": int(fig["runtime_bytes"]), "context": int(fig["context_overhead_bytes"]),
+                     "run": RUN_EXTRA, "source": fig.get("source", "measured")}
+    parts = {"runtime": 0, "target": t.total, "target_parts": asdict(t)}
     if drafter == "model" and draft_info is not None:
-        d = estimate_model(draft_info, n_ctx, gpu_layers=draft_gpu_layers, rows=1)
+        d = estimate_model(draft_info, n_ctx, gpu_layers=draft_gpu_layers, rows=1, repacked_types=repacked_types)
         parts["draft"] = d.total
         parts["draft_parts"] = asdict(d)
+        contexts = 2
+    runtime_parts["context"] *= contexts
+    parts["runtime"] = runtime_parts["interpreter"] + runtime_parts["context"] + runtime_parts["run"]
+    parts["runtime_parts"] = runtime_parts
     if drafter == "ngram":
         parts["ngram_index"] = n_ctx * NGRAM_BYTES_PER_TOKEN
     parts["total"] = parts["runtime"] + parts["target"] + parts.get("draft", 0) + parts.get("ngram_index", 0)

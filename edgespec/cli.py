@@ -11,19 +11,21 @@ from .errors import EdgespecError, UsageError
 PROG = "edgespec"
 
 
-class _OneLine(logging.Formatter):
-    def format(self, record):
-        return f"{PROG}: {record.getMessage()}"
+class _Stderr(logging.Handler):
+    """The library's notices, one line each on whatever sys.stderr is when they come (a handler
+    bound to the stream of the moment writes to a closed one once tests swap streams)."""
+
+    def emit(self, record):
+        try:
+            sys.stderr.write(f"{PROG}: {record.getMessage()}\n")
+        except (OSError, ValueError):
+            pass
 
 
 def _setup_logging(verbose: bool) -> None:
-    """The library logs; the CLI shows its notices on stderr, one line each."""
     log = logging.getLogger("edgespec")
-    if not any(getattr(h, "_edgespec_cli", False) for h in log.handlers):
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(_OneLine())
-        h._edgespec_cli = True
-        log.addHandler(h)
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        log.addHandler(_Stderr())
     log.setLevel(logging.INFO if verbose else logging.WARNING)
 
 

@@ -42,6 +42,7 @@ WARM_BUDGET = 4.0      # seconds of warm-up at most
 WAIT = 3.0             # seconds to wait for other load to pass before concluding the machine is busy
 SETTLE = 0.15          # warm-up ends when the last three passes of a size are within 15% of each other
 SPREAD = 1.5           # sweeps of one row count that differ by more than this factor disagree
+CATCH_UP_BATCH = 16    # tokens the draft model evaluates at once to time its catching up
 REMEASURE = 3          # loads that measure a provisional calibration again before it is kept as is
 FILLER = "The quick brown fox jumps over the lazy dog while the compiler checks every line. "
 FORMAT = 2
@@ -186,10 +187,10 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
         target.eval(batch[:k], range(k))
         return clock() - t
 
-    def step():
+    def step(n=1):
         draft.truncate(dbase)
         t = clock()
-        draft.eval(batch[:1], [0])
+        draft.eval(batch[:n], [n - 1])
         return clock() - t
 
     clean: list[bool] = []  # per sweep: did it run without other processes taking the CPU
@@ -230,6 +231,7 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
 
     sweeps_seen: list[dict[int, list[float]]] = []  # per sweep: row count -> its timings
     steps: list[float] = []
+    batches: list[float] = []  # the draft model catching up on CATCH_UP_BATCH tokens at once
     loads: list[Optional[float]] = []
     while not (sweeps_seen and over_budget()):
         n = len(sweeps_seen)
@@ -247,6 +249,7 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
             tick(f"target pass with {k} rows")
         if draft is not None:
             steps.extend(step() for _ in range(3))
+            batches.append(step(CATCH_UP_BATCH))
         other = meter.others()
         loads.append(other)
         clean.append(not _contended(other, limit))
@@ -277,9 +280,11 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
         figures[1] = bigger
     per_row = _row_overhead(target.n_vocab, clock)
     verify_costs = tuple(c + k * per_row for k, c in enumerate(_interpolate(figures, max_rows), 1))
-    draft_step = None
+    draft_step = prefill = None
     if draft is not None:
-        draft_step = median(steps) + _row_overhead(draft.n_vocab, clock)
+        one = median(steps)
+        prefill = max(0.0, median(batches) - one) / (CATCH_UP_BATCH - 1)
+        draft_step = one + _row_overhead(draft.n_vocab, clock)
         draft.reset()
     target.reset()
     provisional = sum(clean) < 2 or bool(doubts)
@@ -293,7 +298,7 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
         # info, not warning: nothing for the user to do, the engine corrects it as it runs
         log.info("the calibration may be off (%s): it is used as provisional, corrected as the engine runs "
                     "and measured again at the next load", "; ".join(doubts))
-    return Calibration(Costs(verify_costs, draft_step), "calibrated", provisional, info)
+    return Calibration(Costs(verify_costs, draft_step, prefill), "calibrated", provisional, info)
 
 
 def _contended(other: Optional[float], limit: float) -> float:
@@ -367,18 +372,25 @@ def _read(path, key) -> Optional[dict]:
         return None
     if step is not None and not _number(step):
         return None
+    prefill = data.get("draft_prefill")
+    if prefill is not None and not (_number(prefill) or prefill == 0):
+        return None
     return data
 
 
 def _read_cached(path, key) -> Optional[Costs]:
     data = _read(path, key)
-    return Costs(tuple(float(v) for v in data["verify"]), data["draft_step"]) if data else None
+    return _costs(data) if data else None
+
+
+def _costs(data: dict) -> Costs:
+    return Costs(tuple(float(v) for v in data["verify"]), data["draft_step"], data.get("draft_prefill"))
 
 
 def _as_calibration(data: dict) -> Calibration:
     info = data.get("info") if isinstance(data.get("info"), dict) else {}
     source = "corrected online" if data.get("source") == "corrected online" else "cached"
-    return Calibration(Costs(tuple(float(v) for v in data["verify"]), data["draft_step"]), source,
+    return Calibration(_costs(data), source,
                        data.get("provisional") is True, info)
 
 
@@ -410,7 +422,7 @@ def obtain(target, draft=None, *, mode: str = "auto", progress=None) -> Calibrat
         return Calibration(provisional(target, draft), "defaults", True)
     cal = measure(target, draft, progress=lambda k, n, detail: report(progress, "calibrate", k, n, "steps", detail))
     record = {"key": key, "verify": list(cal.costs.verify), "draft_step": cal.costs.draft_step,
-              "source": "calibrated", "provisional": cal.provisional,
+              "draft_prefill": cal.costs.draft_prefill, "source": "calibrated", "provisional": cal.provisional,
               "attempts": attempts + 1 if cal.provisional else 1, "measured_at": time.time(), "info": cal.info}
     _write(path, record)
     return cal
@@ -433,10 +445,12 @@ def write_back(target, draft, costs: Costs, meter: Optional[LoadMeter] = None) -
     key = calibration_key(target, draft)
     path = _key_path(key)
     old = _read(path, key) or {}
+    info = old.get("info") if isinstance(old.get("info"), dict) else {}
+    if old.get("source") != "corrected online":  # keep what the calibration itself measured
+        info = {**info, "calibrated_verify": old.get("verify"), "calibrated_draft_step": old.get("draft_step")}
     record = {"key": key, "verify": list(costs.verify), "draft_step": costs.draft_step,
-              "source": "corrected online", "provisional": False, "attempts": 1, "measured_at": time.time(),
-              "info": {**(old.get("info") if isinstance(old.get("info"), dict) else {}),
-                       "calibrated_verify": old.get("verify"), "calibrated_draft_step": old.get("draft_step")}}
+              "draft_prefill": costs.draft_prefill, "source": "corrected online", "provisional": False,
+              "attempts": 1, "measured_at": time.time(), "info": info}
     ok = _write(path, record)
     if ok:
         log.info("verification costs corrected from this run's passes and stored: T(1) %.1f ms",

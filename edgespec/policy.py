@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple, Optional
 MIN_OBSERVATIONS = 4  # copy proposals scored before a fresh lookup hit is drafted
 CAUTION = 0.25        # acceptance is taken a quarter standard deviation below its estimate
 MARGIN = 0.0          # steps a draft must be expected to save before it is made
+CATCH_UP = 0.3        # a token the draft model catches up on, in a batch, against one of its steps
 
 # Run-length buckets (lower edges) and the prior per-token acceptance of each. Fresh lookup
 # hits: below what the workloads showed for every kind (about 0.2 0.45 0.6 0.75 0.8 0.85 0.95
@@ -146,10 +147,21 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 @dataclass(frozen=True)
 class Costs:
     """Seconds: verify[k - 1] is a target pass with logits on k rows (k = 1..len(verify));
-    draft_step a draft model's single-token step (None without a draft model)."""
+    draft_step a draft model's single-token step (None without a draft model); draft_prefill
+    what each token costs the draft model when it catches up, in one batch, on tokens committed
+    while it was not drafting (None: CATCH_UP of a step)."""
 
     verify: tuple[float, ...]
     draft_step: Optional[float] = None
+    draft_prefill: Optional[float] = None
+
+    def catch_up(self, lag: int) -> float:
+        """What the draft model spends before drafting when it is `lag` tokens behind (one or
+        two behind is every round's normal first step)."""
+        if self.draft_step is None or lag <= 2:
+            return 0.0
+        rate = self.draft_prefill if self.draft_prefill is not None else CATCH_UP * self.draft_step
+        return (lag - 2) * rate
 
     @property
     def max_rows(self) -> int:
@@ -201,7 +213,9 @@ class OnlineCosts:
         self.level_obs: deque[float] = deque(maxlen=self.WINDOW)
         self.level = 0.0
         self.k_obs: dict[int, deque[float]] = {}
+        self.raw: dict[int, deque[float]] = {}  # per row count: the latest pass times, for describe()
         self.draft_obs: deque[float] = deque(maxlen=self.K_WINDOW)
+        self.prefill_obs: deque[float] = deque(maxlen=self.K_WINDOW)  # seconds per caught-up token
         self.rounds = 0
         self.passes = 0
         self.draft_steps = 0
@@ -228,10 +242,13 @@ class OnlineCosts:
             # testing what it rules out
             one = verify[0]
             verify = tuple(min(max(v, one), BATCH_SLACK * k * one) for k, v in enumerate(verify, 1))
-            step = self.base.draft_step
+            step, prefill = self.base.draft_step, self.base.draft_prefill
             if step is not None:
-                step *= math.exp(lv + self._draft_offset())
-            self._current = Costs(verify, step)
+                scale = math.exp(lv + self._draft_offset())
+                step *= scale
+                prefill = median(self.prefill_obs) if self.prefill_obs else (
+                    prefill * scale if prefill is not None else CATCH_UP * step)
+            self._current = Costs(verify, step, prefill)
         return self._current
 
     def offsets(self) -> list[float]:
@@ -284,6 +301,7 @@ class OnlineCosts:
         r = _log_ratio(seconds, self.base.verify_cost(k))
         self.level_obs.append(r - self.offsets()[k - 1])
         self.level = median(list(self.level_obs) + [0.0] * self.prior)
+        self.raw.setdefault(k, deque(maxlen=self.K_WINDOW)).append(seconds)
         obs = self.k_obs.setdefault(k, deque(maxlen=self.K_WINDOW))
         self._append(obs, r - self.level, _log_ratio(seconds, believed), ("rows", k))
         self.passes += 1
@@ -291,9 +309,15 @@ class OnlineCosts:
         self._seen(self.bucket(k), _log_ratio(seconds, believed), _log_ratio(self.current().verify_cost(k), believed))
         self._maybe_persist()
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
-        """`steps` draft-model steps took `seconds` in all."""
+    def observe_draft(self, steps: int, seconds: float, lag: int = 1) -> None:
+        """`steps` draft-model steps took `seconds` in all, the draft model being `lag` tokens
+        behind when it started (more than two: it caught up on them first, in one batch)."""
         if steps <= 0 or not seconds > 0 or self.base.draft_step is None or not self.learn:
+            return
+        if lag > 2:  # mostly catching up: what a caught-up token costs, not a step
+            now = self.current()
+            self.prefill_obs.append(max(0.0, seconds - steps * now.draft_step) / (lag - 2))
+            self._current = None
             return
         believed = self.current().draft_step
         r = _log_ratio(seconds / steps, self.base.draft_step)
@@ -362,8 +386,10 @@ class OnlineCosts:
              "passes_observed": self.passes, "draft_steps_observed": self.draft_steps,
              "t1_ms": round(1000 * now.verify[0], 2), "t1_calibrated_ms": round(1000 * self.base.verify[0], 2),
              "level": round(math.exp(self.level), 3),
-             "rows_observed": sorted(self.k_obs), "explorations": self.explorations,
-             "written_back": self.persisted is not None}
+             "explorations": self.explorations, "written_back": self.persisted is not None,
+             # per row count seen: the median of its latest passes and what is believed now
+             "pass_ms": {k: [round(1000 * median(self.raw[k]), 1), round(1000 * now.verify_cost(k), 1)]
+                         for k in sorted(self.raw)}}
         if now.draft_step is not None:
             d["draft_step_ms"] = round(1000 * now.draft_step, 2)
         return d
@@ -399,10 +425,12 @@ def best_length(costs: Costs, survival: list[float], draft_step: float = 0.0) ->
     return best
 
 
-def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0) -> tuple[int, float]:
+def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0, fixed: float = 0.0
+                ) -> tuple[int, float]:
     """(draft length >= 1, expected seconds saved) for the length that saves the most time
     against decoding the same expected tokens one pass each; survival[j - 1] is the chance
-    that the first j drafts are all accepted. (0, -inf) when nothing is offered.
+    that the first j drafts are all accepted; `fixed` is spent whatever the length (the draft
+    model catching up). (0, -inf) when nothing is offered.
 
     Savings, not tokens per second: at a copy accepted 95% per token, 2 rows and 16 rows may
     yield the same tokens per second, but the 16-row pass saves eight times as much."""
@@ -411,7 +439,7 @@ def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0) ->
     tokens = 1.0
     for g, s in enumerate(survival[:costs.max_rows - 1], 1):
         tokens += s
-        saved = tokens * t1 - g * draft_step - costs.verify_cost(g + 1)
+        saved = tokens * t1 - fixed - g * draft_step - costs.verify_cost(g + 1)
         if saved > best[1]:
             best = (g, saved)
     return best
@@ -441,6 +469,7 @@ class Policy:
         self.model = model or Acceptance(prior=model_prior)
         self.decisions: dict[str, int] = {}
         self._last_first_rate = 0.0
+        self._model_lag = 1
 
     @property
     def costs(self) -> Costs:
@@ -465,10 +494,11 @@ class Policy:
         self.model.update(matched, compared)
 
     # -- deciding -------------------------------------------------------------------------------
-    def choose(self, offer=None, has_model: bool = False, room: int = 0) -> Choice:
+    def choose(self, offer=None, has_model: bool = False, room: int = 0, model_lag: int = 1) -> Choice:
         """`offer`: a copy proposal (`Offer`, or a tuple (run length, continuation tokens
         available[, state[, risk]])) or None; `room`: most drafts that fit (context and
-        max_tokens)."""
+        max_tokens); `model_lag`: committed tokens the draft model has not seen yet."""
+        self._model_lag = model_lag
         costs = self.online.current()
         self.online.tick()
         t1 = costs.verify_cost(1)
@@ -492,7 +522,7 @@ class Policy:
         if has_model and room > 0 and costs.draft_step is not None:
             alpha = self.model.lower(CAUTION)
             surv = [alpha ** j for j in range(1, min(room, self.max_gamma) + 1)]
-            g, saved = best_saving(costs, surv, costs.draft_step)
+            g, saved = best_saving(costs, surv, costs.draft_step, costs.catch_up(model_lag))
             if g and saved > saving:
                 runner_up, saving = Choice("model", g, _tps(costs, surv[:g], costs.draft_step)), saved
         if runner_up.gamma and saving > MARGIN * t1:
@@ -525,7 +555,7 @@ class Policy:
         """Expected seconds lost by a one-token draft from this drafter, against plain decoding."""
         costs = self.online.current()
         if choice.drafter == "model":
-            p, step = self.model.mean, costs.draft_step or 0.0
+            p, step = self.model.mean, (costs.draft_step or 0.0) + costs.catch_up(self._model_lag)
         else:
             p, step = self._last_first_rate, 0.0
         return step + costs.verify_cost(2) - (1.0 + p) * costs.verify_cost(1)

@@ -239,3 +239,17 @@ def test_corrections_are_written_back_unless_the_machine_was_busy(cache):
     assert calibrate.write_back(fb, None, corrected, Meter([0.0]))
     cal = calibrate.obtain(fb)
     assert cal.source == "corrected online" and cal.costs == corrected and len(calls) == 1
+
+
+def test_the_draft_models_step_and_catching_up_are_measured():
+    clock = Clock()
+    target = ClockedBackend(clock)
+
+    class Draft(ClockedBackend):
+        def eval(self, tokens, rows):  # 10 ms a step, 2 ms more per extra token in a batch
+            self.clock.t += 0.010 + 0.002 * (len(tokens) - 1)
+            return FakeBackend.eval(self, tokens, list(rows))
+    draft = Draft(clock)
+    cal = calibrate.measure(target, draft, clock=clock, meter=Meter(), sleep=lambda s: None)
+    assert cal.costs.draft_step == pytest.approx(0.010)
+    assert cal.costs.draft_prefill == pytest.approx(0.002)

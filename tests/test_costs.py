@@ -12,7 +12,7 @@ import pytest
 from edgespec.bench.ceiling import replay
 from edgespec.drafters import Draft
 from edgespec.drafters.auto import AutoDrafter
-from edgespec.policy import Costs, OnlineCosts, Policy
+from edgespec.policy import Acceptance, Costs, OnlineCosts, Policy
 
 T1 = 0.06
 CPU = Costs(tuple(T1 * (1 + 0.8 * (k - 1)) for k in range(1, 33)), draft_step=0.6 * T1)  # rows cost: plain wins
@@ -176,6 +176,7 @@ def test_describe_says_where_the_figures_came_from():
         online.observe_pass(1, 2 * T1)
     d = online.describe()
     assert d["source"] == "corrected online" and d["passes_observed"] == 5
+    assert d["pass_ms"][1][0] == pytest.approx(120.0)
     assert d["t1_ms"] == pytest.approx(120.0, rel=0.05) and d["t1_calibrated_ms"] == pytest.approx(60.0)
 
 
@@ -190,3 +191,23 @@ def test_a_noisy_device_does_not_make_it_explore_or_drift():
     assert model_share(rounds, 0) < 0.02
     assert policy.online.explorations <= 20
     assert policy.costs.verify[0] == pytest.approx(T1, rel=0.15)
+
+
+def test_a_draft_model_far_behind_is_charged_for_catching_up():
+    # after plain rounds the draft model has not seen the newest tokens: drafting first means
+    # evaluating them all; on a GPU-like device a model draft pays, unless it is far behind
+    costs = Costs(GPU.verify, draft_step=0.1 * T1, draft_prefill=0.05 * T1)
+    p = Policy(costs, max_gamma=8, model=Acceptance(prior=0.8, weight=1000))
+    assert p.choose(None, has_model=True, room=8, model_lag=1).drafter == "model"
+    assert p.choose(None, has_model=True, room=8, model_lag=300).drafter == "none"
+    assert costs.catch_up(300) == pytest.approx(298 * 0.05 * T1)
+
+
+def test_catching_up_is_learnt_apart_from_the_draft_step():
+    online = OnlineCosts(CPU, "calibrated")
+    for _ in range(5):
+        online.observe_draft(2, 2 * CPU.draft_step, lag=1)            # in step
+        online.observe_draft(2, 2 * CPU.draft_step + 98 * 0.004, lag=100)  # 98 tokens caught up at 4 ms
+    c = online.current()
+    assert c.draft_step == pytest.approx(CPU.draft_step, rel=0.05)
+    assert c.draft_prefill == pytest.approx(0.004, rel=0.05)

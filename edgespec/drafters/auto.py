@@ -20,6 +20,7 @@ class AutoDrafter:
             copy = CopyDrafter(ngram=copy)
         self.copy = copy
         self.model = model
+        self._lag = 1
 
     @property
     def ngram(self) -> NgramDrafter:
@@ -35,7 +36,8 @@ class AutoDrafter:
             return NO_DRAFT
         m = self.copy.match(tokens, min(room, self.policy.max_gamma))
         offer = Offer(m.run, len(m.continuation), m.state, m.risk) if m.continuation else None
-        choice = self.policy.choose(offer, self.model is not None, room)
+        self._lag = self._model_lag(tokens)
+        choice = self.policy.choose(offer, self.model is not None, room, self._lag)
         if choice.drafter in ("copy", "ngram"):
             return Draft(m.continuation[:choice.gamma], None, choice.drafter)
         if choice.drafter == "model":
@@ -53,8 +55,14 @@ class AutoDrafter:
             policy.copy_outcome(m.state, m.run, matched, compared)
         if round.draft.source == "model":
             policy.model_outcome(round.accepted, len(round.draft.tokens))
-            policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds)
+            policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds, self._lag)
         policy.online.observe_pass(round.verify_rows, round.verify_seconds)
+
+    def _model_lag(self, tokens: list[int]) -> int:
+        """Committed tokens the draft model has not evaluated: it skips plain rounds, and must
+        catch up on them before its next draft (a cost the policy weighs)."""
+        backend = getattr(self.model, "backend", None)
+        return len(tokens) - backend.n_past if backend is not None else 1
 
     def describe_costs(self) -> dict:
         """Where the cost figures came from and how far the passes have moved them."""

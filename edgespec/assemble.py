@@ -21,7 +21,8 @@ def check_drafter(mode) -> None:
 
 
 def _check_int(name: str, value, low: int, high: Optional[int] = None) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)):
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if not (ok and (high is None or value <= high)):
         span = f">= {low}" if high is None else f"in {low}..{high}"
         raise UsageError(f"{name} must be an integer {span}, got {value!r}")
 

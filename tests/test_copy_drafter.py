@@ -104,3 +104,31 @@ def test_long_random_edits_keep_the_copy_mostly_aligned():
     copied = sum(1 for t in out if t < 1000)
     assert proposed >= 0.9 * copied
     assert right >= 0.85 * copied
+
+
+EDIT_PROMPT = ("Rename the function `total` to `sum_prices` and return the whole code.\n\n```python\n"
+               "def total(items):\n    s = 0\n    for item in items:\n        s += item.price\n    return s\n\n\n"
+               "def report(items):\n    print('total:', total(items))\n    print('count:', len(items))\n```")
+
+
+def test_auto_with_copies_equals_plain_greedy_up_to_a_near_tie_on_a_real_model(smol):
+    """The aligned copies are verified like any draft: T = 0 output is plain greedy decoding's
+    (up to llama.cpp's batch-rounding near-ties, see test_real_models.py)."""
+    from test_real_models import assert_equal_up_to_a_near_tie, plain_greedy_with_logits
+
+    from edgespec.backend import LlamaBackend
+    from edgespec.drafters.auto import AutoDrafter
+    from edgespec.engine import Engine
+    from edgespec.policy import Costs, Policy
+    # cheap rows, as on a GPU, and fixed: the policy drafts copies wherever it can
+    drafter = AutoDrafter(Policy(Costs(tuple(0.01 + 0.0005 * k for k in range(1, 33)))), CopyDrafter())
+    with Engine(LlamaBackend(smol, n_ctx=1024), drafter) as eng:
+        ptoks = eng.chat_tokens([{"role": "user", "content": EDIT_PROMPT}])
+        plain, rows = plain_greedy_with_logits(eng.target, ptoks, 64)
+        eng.reset()
+        r = eng.generate(ptoks, max_tokens=len(plain))
+        eos = eng.target.eos
+    copied = sum(v["accepted"] for k, v in r.stats.by_drafter.items() if k in ("copy", "ngram"))
+    assert copied >= 10
+    parted = assert_equal_up_to_a_near_tie(r.tokens, plain, rows, eos)
+    assert parted is None or parted >= 8

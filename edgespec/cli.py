@@ -22,11 +22,18 @@ class _Stderr(logging.Handler):
             pass
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool):
+    """Show the library's notices while a verb runs; returns the undo (the CLI may be called
+    in-process, by tests or an app, and must not leave a handler on the library's logger)."""
     log = logging.getLogger("edgespec")
-    if not any(isinstance(h, _Stderr) for h in log.handlers):
-        log.addHandler(_Stderr())
+    handler, level = _Stderr(), log.level
+    log.addHandler(handler)
     log.setLevel(logging.INFO if verbose else logging.WARNING)
+
+    def undo():
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return undo
 
 
 class ProgressBar:
@@ -475,7 +482,7 @@ def main(argv=None) -> int:
 
 def run_verb(args) -> int:
     """Run a parsed verb: library errors become one line on stderr and their exit code."""
-    _setup_logging(getattr(args, "verbose", False))
+    undo_logging = _setup_logging(getattr(args, "verbose", False))
     try:
         return args.func(args)
     except EdgespecError as exc:
@@ -486,3 +493,5 @@ def run_verb(args) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    finally:
+        undo_logging()

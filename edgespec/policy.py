@@ -238,9 +238,10 @@ class OnlineCosts:
             offs, lv = self.offsets(), self.level
             verify = [v * math.exp(lv + o) for v, o in zip(self.base.verify, offs)]
             # a k-row pass costs at least a 1-row pass and at most k of them (with some slack):
-            # a belief outside that is a bad measurement, and would keep the policy from ever
-            # testing what it rules out
-            one = verify[0]
+            # a belief outside that is a bad measurement (the cheaper figure is the one to
+            # believe: other load only ever slows a pass), and it would keep the policy from
+            # ever testing what it rules out
+            one = min(verify)
             verify = tuple(min(max(v, one), BATCH_SLACK * k * one) for k, v in enumerate(verify, 1))
             step, prefill = self.base.draft_step, self.base.draft_prefill
             if step is not None:
@@ -537,7 +538,10 @@ class Policy:
         model) while decoding plainly."""
         online = self.online
         if choice.drafter != "none":
-            if online.due(online.bucket(1)):
+            # a plain pass never seen yet is checked early: the calibration may have recorded
+            # it while something else ran, and every draft is judged against it
+            key = online.bucket(1)
+            if online.due(key) or (key not in online.last_seen and online.rounds > online.PATIENCE[0]):
                 online.explorations += 1
                 return Choice("none", 0, 1.0 / t1, explore=True)
             return choice

@@ -541,7 +541,8 @@ class Policy:
             # a plain pass never seen yet is checked early: the calibration may have recorded
             # it while something else ran, and every draft is judged against it
             key = online.bucket(1)
-            if online.due(key) or (key not in online.last_seen and online.rounds > online.PATIENCE[0]):
+            if online.due(key) or (online.learn and key not in online.last_seen
+                                   and online.rounds > online.PATIENCE[0]):
                 online.explorations += 1
                 return Choice("none", 0, 1.0 / t1, explore=True)
             return choice

@@ -211,3 +211,16 @@ def test_catching_up_is_learnt_apart_from_the_draft_step():
     c = online.current()
     assert c.draft_step == pytest.approx(CPU.draft_step, rel=0.05)
     assert c.draft_prefill == pytest.approx(0.004, rel=0.05)
+
+
+@pytest.mark.parametrize("believed", [
+    scaled(CPU, verify=3, step=3, one=60),    # a single-token pass recorded 60x, the rest 3x
+    scaled(CPU, verify=10, step=10, one=60),  # everything slow, single-token passes the most
+])
+def test_a_poisoned_calibration_costs_little_even_in_the_first_generation(believed):
+    # what the fake device's passes add up to over 128 tokens, against plain decoding's
+    policy = Policy(OnlineCosts(believed, "calibrated"))
+    ratio, rounds = replay(AutoDrafter(policy, None, StubModel()), CPU, PROMPT, OUT[:128],
+                           draft_step=CPU.draft_step)
+    assert ratio > 0.95
+    assert sum(src == "model" for src, _, _ in rounds) <= 8

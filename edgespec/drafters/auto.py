@@ -35,7 +35,7 @@ class AutoDrafter:
         if room <= 0:
             return NO_DRAFT
         m = self.copy.match(tokens, min(room, self.policy.max_gamma))
-        offer = Offer(m.run, len(m.continuation), m.state, m.risk) if m.continuation else None
+        offer = Offer(m.run, len(m.continuation), m.state, m.risk, m.in_prompt) if m.continuation else None
         self._lag = self._model_lag(tokens)
         choice = self.policy.choose(offer, self.model is not None, room, self._lag)
         if choice.drafter in ("copy", "ngram"):
@@ -52,7 +52,7 @@ class AutoDrafter:
         seen = self.copy.outcome(round.tokens)
         if seen is not None:  # scored whether or not it drafted this round: proposals cost nothing
             m, matched, compared = seen
-            policy.copy_outcome(m.state, m.run, matched, compared)
+            policy.copy_outcome(m.state, m.run, matched, compared, m.in_prompt)
         if round.draft.source == "model":
             policy.model_outcome(round.accepted, len(round.draft.tokens))
             policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds, self._lag)

@@ -6,7 +6,7 @@ import pytest
 
 from edgespec.drafters.ngram import RUN_MAX, NgramDrafter, NgramIndex, run_length
 from edgespec.engine import Engine
-from edgespec.policy import (MIN_OBSERVATIONS, Acceptance, CopyAcceptance, Costs, Policy, best_gamma,
+from edgespec.policy import (MIN_OBSERVATIONS, Acceptance, CopyAcceptance, Costs, Offer, Policy, best_gamma,
                              best_length, expected_tokens)
 
 from fakes import FakeBackend
@@ -112,6 +112,21 @@ def test_policy_drafts_long_copies_and_not_single_token_matches_on_this_cpus_cur
     c = p.choose((24, 32), has_model=False, room=32)
     assert c.drafter == "ngram" and c.gamma >= 15
     assert best_length(Costs(tuple(verify)), [1.0] * 31)[0] in (15, 31)  # certain copies: a cheap long pass
+
+
+def test_copies_of_the_answers_own_text_are_judged_apart_from_copies_of_the_prompt():
+    # rows cost half a step each: a short draft pays only when the copy is likely to hold
+    costs = Costs(tuple(0.05 * (1 + 0.5 * (k - 1)) for k in range(1, 33)))
+    p = Policy(costs)
+    prompt_copy, own_copy = Offer(3, 16, "aligned", (), True), Offer(3, 16, "aligned", (), False)
+    assert p.choose(prompt_copy, room=32).drafter == "copy"  # an edit resuming its passage
+    assert p.choose(own_copy, room=32).drafter == "none"     # a repeated structure: often breaks
+    # what the answer's own text shows does not move the trust in the prompt's passage
+    for _ in range(10):
+        for run in range(1, 12):
+            p.copy_outcome("aligned", run, 0, 4, in_prompt=False)
+    assert p.choose(Offer(8, 16, "aligned", (), False), room=32).drafter == "none"
+    assert p.choose(Offer(8, 16, "aligned", (), True), room=32).gamma >= 2
 
 
 def test_expected_tokens_formula():

@@ -323,6 +323,7 @@ class OnlineCosts:
             now = self.current()
             self.prefill_obs.append(max(0.0, seconds - steps * now.draft_step) / (lag - 2))
             self._current = None
+            self.last_seen["draft"] = self.rounds  # tested, though not a clean step: not due again now
             return
         believed = self.current().draft_step
         r = _log_ratio(seconds / steps, self.base.draft_step)
@@ -515,7 +516,8 @@ class Policy:
         self.online.tick()
         t1 = costs.verify_cost(1)
         best = Choice("none", 0, 1.0 / t1)
-        runner_up, saving = best, -math.inf  # the most promising draft, kept for exploration
+        runner_up, saving = best, -math.inf  # the most promising draft
+        tests: list[Choice] = []  # every drafter on offer, for exploration
         if offer and room > 0:
             offer = Offer(*offer)
             scored = self.ngram.rounds + self.aligned.rounds + self.generated.rounds
@@ -532,22 +534,26 @@ class Policy:
                 if g:  # named by what it is: a fresh lookup hit or an aligned copy
                     runner_up = Choice("copy" if offer.state == "aligned" else "ngram", g,
                                        _tps(costs, surv[:g], 0.0))
+                    tests.append(runner_up)
         if has_model and room > 0 and costs.draft_step is not None:
             alpha = self.model.lower(CAUTION)
             surv = [alpha ** j for j in range(1, min(room, self.max_gamma) + 1)]
             g, saved = best_saving(costs, surv, costs.draft_step, costs.catch_up(model_lag))
-            if g and saved > saving:
-                runner_up, saving = Choice("model", g, _tps(costs, surv[:g], costs.draft_step)), saved
+            if g:
+                tests.append(Choice("model", g, _tps(costs, surv[:g], costs.draft_step)))
+                if saved > saving:
+                    runner_up, saving = tests[-1], saved
         if runner_up.gamma and saving > MARGIN * t1:
             best = runner_up
-        best = self._explore(best, runner_up, saving, t1)
+        best = self._explore(best, tests, t1)
         self.decisions[best.drafter] = self.decisions.get(best.drafter, 0) + 1
         return best
 
-    def _explore(self, choice: Choice, runner_up: Choice, saving: float, t1: float) -> Choice:
+    def _explore(self, choice: Choice, tests: list[Choice], t1: float) -> Choice:
         """Re-test what the policy stopped doing once its patience ran out: a plain pass while
-        drafting, or a one-token draft (the cheapest test of verifying rows and of the draft
-        model) while decoding plainly."""
+        drafting, or a one-token draft while decoding plainly: verifying 2 rows is tested with
+        the cheapest drafter on offer (a copy costs no drafting; the draft model may first have
+        to catch up on the whole context), the draft model's step with the draft model."""
         online = self.online
         if choice.drafter != "none":
             # a plain pass never seen yet is checked early: the calibration may have recorded
@@ -558,14 +564,14 @@ class Policy:
                 online.explorations += 1
                 return Choice("none", 0, 1.0 / t1, explore=True)
             return choice
-        if runner_up.gamma and saving > -math.inf:
-            keys = [online.bucket(2)] + (["draft"] if runner_up.drafter == "model" else [])
+        for test in sorted(tests, key=self._one_draft_loss):
+            keys = [online.bucket(2)] + (["draft"] if test.drafter == "model" else [])
             # the believed loss of a test, spread over its patience, stays under EXPLORE_LOSS
             # of a step per round: a wrong belief of any size is re-tested, rarely if dear
-            stretch = max(1.0, self._one_draft_loss(runner_up) / (EXPLORE_LOSS * t1))
+            stretch = max(1.0, self._one_draft_loss(test) / (EXPLORE_LOSS * t1))
             if any(online.due(k, stretch) for k in keys):
                 online.explorations += 1
-                return Choice(runner_up.drafter, 1, runner_up.tokens_per_second, explore=True)
+                return Choice(test.drafter, 1, test.tokens_per_second, explore=True)
         return choice
 
     def _one_draft_loss(self, choice: Choice) -> float:

@@ -224,3 +224,29 @@ def test_a_poisoned_calibration_costs_little_even_in_the_first_generation(believ
                            draft_step=CPU.draft_step)
     assert ratio > 0.95
     assert sum(src == "model" for src, _, _ in rounds) <= 8
+
+
+def test_rows_are_re_tested_with_the_cheapest_drafter_and_the_draft_model_now_and_then():
+    """Plain decoding wins; a copy hit and the draft model are both on offer. Verifying two rows
+    is re-tested with the copy (no drafting cost); the draft model, which must first catch up on
+    what it skipped, is re-tested too, rarely, and its test counts as seen even though a
+    catch-up is not a clean step (before, it stayed due and was re-tested every round)."""
+    from edgespec.policy import Offer
+    costs = Costs(tuple(T1 * (1 + 0.9 * (k - 1)) for k in range(1, 33)), draft_step=0.004, draft_prefill=0.004)
+    policy = Policy(OnlineCosts(costs, "calibrated"), model=Acceptance(prior=0.9, weight=1000))
+    policy.ngram.rounds = 10  # enough copy proposals scored to offer fresh hits
+    lag, tests = 30, []
+    for i in range(400):
+        c = policy.choose(Offer(1, 4, "fresh"), has_model=True, room=32, model_lag=lag)
+        if c.drafter == "none":
+            policy.online.observe_pass(1, costs.verify_cost(1))
+            continue
+        assert c.explore and c.gamma == 1, c  # drafting never pays here: every draft is a test
+        tests.append((i, c.drafter))
+        policy.online.observe_pass(2, costs.verify_cost(2))
+        if c.drafter == "model":
+            policy.online.observe_draft(1, costs.draft_step + (lag - 2) * costs.draft_prefill, lag)
+    assert tests[0][1] == "ngram"
+    model_tests = [i for i, d in tests if d == "model"]
+    assert 1 <= len(model_tests) <= 8, tests
+    assert all(b - a > 16 for a, b in zip(model_tests, model_tests[1:])), tests

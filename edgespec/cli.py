@@ -22,6 +22,11 @@ class _Stderr(logging.Handler):
             pass
 
 
+def notice(text: str) -> None:
+    """One line for the person at the terminal (verbs such as `serve` that report as they go)."""
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
 def _setup_logging(verbose: bool):
     """Show the library's notices while a verb runs; returns the undo (the CLI may be called
     in-process, by tests or an app, and must not leave a handler on the library's logger)."""

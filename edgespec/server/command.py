@@ -112,7 +112,7 @@ def _stopped(signum, frame):
 
 
 def cmd_serve(args) -> int:
-    from ..cli import ProgressBar, settings_from_args
+    from ..cli import ProgressBar, notice, settings_from_args
     settings = settings_from_args(args)  # every flag checked before anything binds or loads
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -135,16 +135,15 @@ def cmd_serve(args) -> int:
     shown = f"[{host}]" if ":" in host else host
     name = model_id(settings)
     if not is_loopback(args.host) and not args.api_key:
-        print(f"edgespec: warning: listening on {args.host} without --api-key: anyone who can reach this "
-              "machine can use the model", file=sys.stderr)
-    print(f"edgespec: listening on http://{shown}:{port} (loading {name}; /health says 503 until ready)",
-          file=sys.stderr, flush=True)
+        notice(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
+               "machine can use the model")
+    notice(f"listening on http://{shown}:{port} (loading {name}; /health says 503 until ready)")
 
     failed: list[BaseException] = []
     server = None
 
     def on_ready():
-        print(f"edgespec: ready: {name} at http://{shown}:{port}/v1", file=sys.stderr, flush=True)
+        notice(f"ready: {name} at http://{shown}:{port}/v1")
 
     def on_load_error(exc):
         failed.append(exc)
@@ -165,7 +164,7 @@ def cmd_serve(args) -> int:
     try:
         server.run(sockets=[sock])
     except (KeyboardInterrupt, _Stopped):
-        print("edgespec: stopped", file=sys.stderr)
+        notice("stopped")
     finally:
         sock.close()
         if previous is not None:

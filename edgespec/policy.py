@@ -471,10 +471,10 @@ class Policy:
         self.online = costs if isinstance(costs, OnlineCosts) else OnlineCosts(costs, "given", learn=False)
         self.max_gamma = max_gamma
         self.model_prior = model_prior
-        self.ngram = ngram or CopyAcceptance()
-        self.aligned = aligned or CopyAcceptance(prior=ALIGNED_PRIOR, shift_rate=ALIGNED_SHIFT)
-        self.generated = CopyAcceptance(prior=GENERATED_PRIOR)
-        self.model = model or Acceptance(prior=model_prior)
+        self.reset()  # the acceptance tables from their priors, then any given in their place
+        self.ngram = ngram or self.ngram
+        self.aligned = aligned or self.aligned
+        self.model = model or self.model
         self.decisions: dict[str, int] = {}
         self._last_first_rate = 0.0
         self._model_lag = 1

@@ -564,11 +564,11 @@ class Policy:
                 online.explorations += 1
                 return Choice("none", 0, 1.0 / t1, explore=True)
             return choice
-        for test in sorted(tests, key=self._one_draft_loss):
+        for loss, test in sorted(((self._one_draft_loss(t), t) for t in tests), key=lambda lt: lt[0]):
             keys = [online.bucket(2)] + (["draft"] if test.drafter == "model" else [])
             # the believed loss of a test, spread over its patience, stays under EXPLORE_LOSS
             # of a step per round: a wrong belief of any size is re-tested, rarely if dear
-            stretch = max(1.0, self._one_draft_loss(test) / (EXPLORE_LOSS * t1))
+            stretch = max(1.0, loss / (EXPLORE_LOSS * t1))
             if any(online.due(k, stretch) for k in keys):
                 online.explorations += 1
                 return Choice(test.drafter, 1, test.tokens_per_second, explore=True)

@@ -9,17 +9,14 @@ def copy_ceiling(costs, prompt: list[int], out: list[int]) -> float:
     At each position the drafter's proposal and how much of it the output confirms are fixed
     by the output; a dynamic programme over positions picks every round's draft length
     (0 allowed) to minimise the total verification cost."""
-    from ..drafters.ngram import NgramIndex
+    from ..drafters.ngram import NgramIndex, agreed
     idx, toks, n_out = NgramIndex(), list(prompt), len(out)
     if not n_out:
         return 1.0
     offers = []  # (continuation tokens available, how many of them the output confirms)
     for pos in range(n_out):
         cont = idx.continuation(toks, costs.max_rows - 1)
-        ok = 0
-        while ok < len(cont) and pos + ok < n_out and cont[ok] == out[pos + ok]:
-            ok += 1
-        offers.append((len(cont), ok))
+        offers.append((len(cont), agreed(cont, out, pos)[0]))
         toks.append(out[pos])
     best = [0.0] * (n_out + 1)  # best[pos]: least time to produce out[pos:]
     for pos in range(n_out - 1, -1, -1):
@@ -42,6 +39,7 @@ def replay(drafter, costs, prompt: list[int], out: list[int], draft_step: float 
     import numpy as np
 
     from ..drafters import Round
+    from ..drafters.ngram import agreed
     from ..sampling import SamplingParams
     clock = clock or costs.verify_cost
     tokens, i, spent, rounds = list(prompt), 0, 0.0, []
@@ -51,9 +49,7 @@ def replay(drafter, costs, prompt: list[int], out: list[int], draft_step: float 
         room = len(out) - i - 1
         d = drafter.propose(tokens, room, greedy, rng) if room > 0 else None
         drafts = d.tokens if d is not None else []
-        n = 0
-        while n < len(drafts) and drafts[n] == out[i + n]:
-            n += 1
+        n = agreed(drafts, out, i)[0]
         rows = len(drafts) + (1 if i else 0)  # the first round's own row came with the prompt
         took = clock(rows) if rows else 0.0
         dt = len(drafts) * draft_step if d is not None and d.source == "model" else 0.0

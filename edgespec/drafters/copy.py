@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import Draft, Round
-from .ngram import NgramDrafter, run_length
+from .ngram import NgramDrafter, agreed, run_length
 
 ALIGNED_MIN = 12  # agreed tokens before a copy counts as an established alignment
 ANCHOR_MIN = 3    # agreed tokens before a divergence is taken for an edit (not a coincidence that ended)
@@ -261,13 +261,8 @@ class CopyDrafter:
         if self.last is None:
             return None
         start, m = self.last
-        cont = m.continuation
-        compared = min(len(cont), len(tokens) - start)
-        matched = 0
-        while matched < compared and cont[matched] == tokens[start + matched]:
-            matched += 1
         self.last = None
-        return m, matched, compared
+        return (m, *agreed(m.continuation, tokens, start))
 
     def observe(self, round: Round) -> None:
         self.advance(round.tokens)

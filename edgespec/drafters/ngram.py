@@ -66,6 +66,16 @@ class Match(NamedTuple):
     continuation: list[int]
 
 
+def agreed(proposal: list[int], tokens: list[int], start: int) -> tuple[int, int]:
+    """(tokens of `proposal` matched before the first miss, tokens compared) against what was
+    committed from position `start` on."""
+    compared = min(len(proposal), len(tokens) - start)
+    matched = 0
+    while matched < compared and proposal[matched] == tokens[start + matched]:
+        matched += 1
+    return matched, compared
+
+
 class NgramDrafter:
     """Prompt lookup as a drafter: `gamma` tokens of the continuation each round (fixed length).
     The auto drafter uses `match` and `outcome` to learn how far copies can be trusted."""
@@ -104,12 +114,8 @@ class NgramDrafter:
         if self.last is None:
             return None
         start, n, cont = self.last
-        compared = min(len(cont), len(tokens) - start)
-        matched = 0
-        while matched < compared and cont[matched] == tokens[start + matched]:
-            matched += 1
         self.last = None
-        return n, matched, compared
+        return (n, *agreed(cont, tokens, start))
 
     def observe(self, round: Round) -> None:
         pass

@@ -27,14 +27,9 @@ class AutoDrafter:
         return self.copy.ngram
 
     def begin(self, tokens: list[int]) -> None:
-        """The draft model keeps the prefix it shares with the prompt and evaluates the rest
-        only when the policy first drafts with it (a catch-up the policy weighs): on a device
-        where it never pays, the prompt is not evaluated twice before the first token."""
+        # the draft model catches up on the prompt at its first draft, a cost the policy weighs
         self.copy.begin(tokens)
-        backend = getattr(self.model, "backend", None)
-        if backend is not None:
-            backend.keep_prefix(tokens)
-        elif self.model is not None:
+        if self.model is not None:
             self.model.begin(tokens)
 
     def propose(self, tokens, room, params, rng) -> Draft:

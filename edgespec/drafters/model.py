@@ -18,10 +18,10 @@ class ModelDrafter:
         self.gamma = gamma
 
     def begin(self, tokens: list[int]) -> None:
-        be = self.backend
-        kept = be.keep_prefix(tokens)
-        if kept < len(tokens) - 1:  # prefill now, so drafting time is decode time
-            be.eval(tokens[kept:-1], [])
+        """Keep the cached prefix shared with the prompt; the rest is evaluated at the first
+        draft, in one batch (`draft` feeds whatever the model has not seen). Under `auto` the
+        first draft may never come: the prompt is then not evaluated twice."""
+        self.backend.keep_prefix(tokens)
 
     def propose(self, tokens, room, params: SamplingParams, rng) -> Draft:
         return self.draft(tokens, min(self.gamma, room), params, rng)

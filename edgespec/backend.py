@@ -105,6 +105,7 @@ class LlamaBackend:
         self.tokens: list[int] = []  # the KV cache holds these, at positions 0..n_past-1
         self._stray = False
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._longest = None
 
     # -- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
@@ -126,6 +127,19 @@ class LlamaBackend:
             self._piece_buf = ctypes.create_string_buffer(-n)
             n = L.llama_token_to_piece(self._vocab, token, self._piece_buf, -n, 0, special)
         return self._piece_buf.raw[:n]
+
+    def longest_piece(self) -> int:
+        """Bytes of the longest token text in the vocabulary (control tokens as written), the most
+        input one token can cover; computed once, on first use."""
+        if self._longest is None:
+            L = _llama()
+            buf = ctypes.create_string_buffer(1024)
+            longest = 1
+            for token in range(self.n_vocab):
+                n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+                longest = max(longest, abs(n))
+            self._longest = longest
+        return self._longest
 
     def is_eog(self, token: int) -> bool:
         return bool(_llama().llama_vocab_is_eog(self._vocab, token))

@@ -25,13 +25,25 @@ def _compile(source: str):
     return env.from_string(source)
 
 
+# The roles chat templates are written for. Any other role text would reach the template (and
+# the tokenizer) verbatim: "user<|im_end|>..." could open a turn of its own.
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def validate_messages(messages) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise UsageError("messages must be a non-empty list of {'role', 'content'} dicts")
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise UsageError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
+            raise UsageError(f"message {i} must be a dict with string 'role' and 'content', got {_short(m)}")
+        if m["role"] not in ROLES:
+            raise UsageError(f"message {i} has role {_short(m['role'])}; a role is one of {', '.join(ROLES)}")
     return [dict(m) for m in messages]
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def render(template: str | None, messages, *, bos_token: str = "", eos_token: str = "") -> str:

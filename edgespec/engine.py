@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
@@ -223,6 +224,7 @@ class Engine:
         self._active: Optional[Stream] = None
         self._work = threading.RLock()       # held while a backend is in use
         self._closed = False
+        self._readers = 0                    # threads tokenizing now (see _reading)
         self._prompt_row: Optional[tuple[tuple[int, ...], np.ndarray]] = None
 
     @property
@@ -279,6 +281,8 @@ class Engine:
             if active is not None:
                 active.cancel()
             self._slot.notify_all()
+            while self._readers:  # a tokenization in progress reads the vocabulary about to be freed
+                self._slot.wait()
         with self._work:
             if active is not None:
                 active._invalidate(EngineClosedError("this engine was closed while the stream was open"))
@@ -331,19 +335,32 @@ class Engine:
                 self._slot.notify_all()
 
     # -- text in, text out ----------------------------------------------------------------
+    @contextmanager
+    def _reading(self):
+        """The target's vocabulary, for tokenizing. Not under `_work`: llama.cpp's tokenizer only
+        reads the vocabulary, so a long prompt is tokenized on its caller's thread while another
+        request generates (a server tokenizes off its engine thread); close() waits for it."""
+        with self._slot:
+            self._check_open()
+            self._readers += 1
+        try:
+            yield self.target
+        finally:
+            with self._slot:
+                self._readers -= 1
+                self._slot.notify_all()
+
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of `text` with BOS (when the model uses one); `special=False` reads
         control-token text like "<|im_end|>" as plain text."""
         _check_text("the prompt", text)
-        with self._work:
-            self._check_open()
-            return self.target.tokenize(text, add_bos=True, special=special)
+        with self._reading() as t:
+            return t.tokenize(text, add_bos=True, special=special)
 
     def format_chat(self, messages) -> str:
         """The target's chat template applied to `messages` (list of {'role', 'content'})."""
         from .chat import render
-        with self._work:
-            self._check_open()
+        with self._reading():
             return render(self.target.chat_template(), messages, **self._template_tokens())
 
     def _template_tokens(self) -> dict:
@@ -351,28 +368,67 @@ class Engine:
         return dict(bos_token=t.token_text(t.bos) if t.bos >= 0 else "",
                     eos_token=t.token_text(t.eos) if t.eos >= 0 else "")
 
+    def _check_size(self, text: str) -> None:
+        """Refuse, without tokenizing it, a text too long for the context whatever its tokens:
+        each token covers at most the longest piece of the vocabulary (megabytes of text take
+        seconds to tokenize)."""
+        n_ctx, n = self.target.n_ctx, len(text)  # characters: at least a byte each
+        if n <= n_ctx:
+            return
+        longest = getattr(self.target, "longest_piece", None)
+        nbytes = len(text.encode("utf-8"))
+        if longest is not None and nbytes > n_ctx * longest():
+            raise UsageError(f"the prompt is {nbytes:,} bytes, more than {n_ctx} tokens of this model can hold: "
+                             "shorten it or raise --ctx")
+
+    def prompt_tokens(self, prompt: Union[str, Sequence[int]]) -> list[int]:
+        """The token ids `stream` would generate from, checked against the context (UsageError):
+        a text tokenized verbatim (BOS added, special tokens parsed), or token ids as they are.
+        Safe to call from any thread, also while another request generates."""
+        if isinstance(prompt, str):
+            _check_text("the prompt", prompt)
+            self._check_size(prompt)
+            tokens = self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            tokens = [int(t) for t in prompt]
+            if any(not 0 <= t < self.target.n_vocab for t in tokens):
+                raise UsageError(f"prompt token ids must be in 0..{self.target.n_vocab - 1}")
+        else:
+            raise UsageError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return self._fits(tokens)
+
+    def _fits(self, tokens: list[int]) -> list[int]:
+        n_ctx = self.target.n_ctx
+        if not tokens:
+            raise UsageError("the prompt is empty after tokenization")
+        if len(tokens) >= n_ctx:
+            raise UsageError(f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}: "
+                             "raise --ctx or shorten the prompt")
+        return tokens
+
     def chat_tokens(self, messages) -> list[int]:
-        """The prompt tokens for a conversation. Message contents are tokenized as text: a
-        message holding "<|im_end|>" cannot close its turn; only the template's own markers
-        are control tokens."""
+        """The prompt tokens for a conversation, checked against the context (UsageError).
+        Message contents are tokenized as text: a message holding "<|im_end|>" cannot close
+        its turn; only the template's own markers are control tokens. Roles must be system,
+        user, assistant or tool. Safe to call from any thread, as `prompt_tokens`."""
         from .chat import render, render_segments, validate_messages
         messages = validate_messages(messages)
-        with self._work:
-            self._check_open()
-            t = self.target
+        with self._reading() as t:
             template, kw = t.chat_template(), self._template_tokens()
+            text = render(template, messages, **kw)
+            self._check_size(text)
             # usually no message holds control-token text, and the prompt is tokenized whole
             # (as llama.cpp does); otherwise piece by piece, contents as plain text
             if all(t.tokenize(m["content"], add_bos=False, special=True)
                    == t.tokenize(m["content"], add_bos=False, special=False) for m in messages):
-                tokens = t.tokenize(render(template, messages, **kw), add_bos=True, special=True)
+                tokens = t.tokenize(text, add_bos=True, special=True)
             else:
                 tokens = t.tokenize("", add_bos=True, special=False)
                 for piece, is_content in render_segments(template, messages, **kw):
                     tokens += t.tokenize(piece, add_bos=False, special=not is_content)
             if len(tokens) > 1 and tokens[0] == tokens[1] == t.bos:
                 tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
-            return tokens
+        return self._fits(tokens)
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, prompt: Union[str, Sequence[int]], *, max_tokens: int = 128, temperature: float = 0.0,
@@ -415,20 +471,7 @@ class Engine:
             raise UsageError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         _check_seed(seed)
         stop = _check_stop(stop)
-        if isinstance(prompt, str):
-            tokens = self.tokenize(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            tokens = [int(t) for t in prompt]
-            if any(not 0 <= t < self.target.n_vocab for t in tokens):
-                raise UsageError(f"prompt token ids must be in 0..{self.target.n_vocab - 1}")
-        else:
-            raise UsageError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        n_ctx = self.target.n_ctx
-        if not tokens:
-            raise UsageError("the prompt is empty after tokenization")
-        if len(tokens) >= n_ctx:
-            raise UsageError(f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}: "
-                             "raise --ctx or shorten the prompt")
+        tokens = self.prompt_tokens(prompt)
         stats = GenerationStats(drafter=self.mode, prompt_tokens=len(tokens))
         holder: list[Stream] = []
         stream = Stream(self, self._events(tokens, max_tokens, params, seed, stop, stats, holder), stats)

@@ -10,13 +10,10 @@ same in both processes. A few tests run the app in-process on a fake engine (loa
 from __future__ import annotations
 
 import json
-import re
-import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -24,6 +21,7 @@ import openai
 import pytest
 
 from edgespec import Engine
+from serverproc import ServerProcess
 
 KEY = "test-key"
 N_CTX = 1024
@@ -33,7 +31,6 @@ QUEUE = 2
 THREADS = 1
 SERVER_FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--threads", str(THREADS), "--queue-size", str(QUEUE),
                 "--api-key", KEY]
-STARTUP_TIMEOUT = 180  # generous: other jobs share this machine's two cores
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # SmolLM2 keeps counting: a generation as long as max_tokens
 
 M_MUTEX = [{"role": "user", "content": "What is a mutex?"}]
@@ -41,57 +38,9 @@ M_COLORS = [{"role": "user", "content": "Name three colors."}]
 M_SKY = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Why is the sky blue?"}]
 
 
-# -- a real server process --------------------------------------------------------------------
-class ServerProcess:
-    def __init__(self, args: list[str], tmp: Path):
-        self.log = tmp / "server.log"
-        self._fh = open(self.log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "edgespec.server", *args, "--port", "0"],
-                                     stdout=self._fh, stderr=subprocess.STDOUT)
-        self.url = self._wait_for_url()
-
-    def _wait_for_url(self) -> str:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            m = re.search(r"listening on (http://\S+) ", self.log.read_text())
-            if m:
-                return m.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        pytest.fail(f"the server did not start:\n{self.log.read_text()}")
-
-    def health(self) -> httpx.Response:
-        return httpx.get(self.url + "/health", timeout=30)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                if self.health().status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert self.proc.poll() is None, f"the server exited:\n{self.log.read_text()}"
-            time.sleep(0.1)
-        pytest.fail(f"the server did not become ready:\n{self.log.read_text()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._fh.close()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="module")
 def server(smol, tmp_path_factory):
-    srv = ServerProcess(["--target", str(smol), *SERVER_FLAGS], tmp_path_factory.mktemp("server"))
+    srv = ServerProcess(["--target", str(smol), *SERVER_FLAGS], tmp_path_factory.mktemp("server"), key=KEY)
     srv.wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
@@ -187,7 +136,7 @@ def test_completions_streamed_and_not(client, solo):
     assert got.choices[0].finish_reason == _reason(want.stats)
     assert got.usage.completion_tokens == want.stats.generated
     chunks = list(client.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0, stream=True,
-                                            extra_body={"top_k": 0, "min_p": 0.0, "a_field_from_the_future": [1]}))
+                                            extra_body={"top_k": 0, "min_p": 0.0, "user": "u1"}))
     assert "".join(c.choices[0].text for c in chunks) == want.text
 
 
@@ -293,7 +242,8 @@ def test_bad_parameters_and_malformed_bodies_get_400(client, server):
         client.chat.completions.create(messages=M_MUTEX, model="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="x", prompt="x" * 20000)  # longer than the context
-    url, auth = server.url + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    url = server.url + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     for body in (b'{"messages": [', b'[1, 2]', b'{"messages": "hi"}', b'{}', b'',
                  b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}',
                  b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}',
@@ -342,6 +292,16 @@ def test_the_serve_verb_registers_on_a_cli_parser():
 
 
 # -- in process, on a fake engine: loading and CORS ---------------------------------------------
+class _TestServerHosts:
+    """HostRule for starlette's TestClient, which sends 'Host: testserver'."""
+
+    def allows(self, value):
+        return value == "testserver"
+
+
+TESTSERVER = _TestServerHosts()
+
+
 def _fake_engine():
     from fakes import FakeBackend
     rng = np.random.default_rng(0)
@@ -359,7 +319,7 @@ def test_loading_answers_503_until_the_engine_is_ready():
         return _fake_engine()
 
     ready = threading.Event()
-    app = create_app(load, model_id="fake", on_ready=ready.set)
+    app = create_app(load, model_id="fake", on_ready=ready.set, hosts=TESTSERVER)
     body = {"messages": [{"role": "user", "content": "1 2 3"}], "max_tokens": 4, "temperature": 0}
     with TestClient(app) as c:
         assert c.get("/health").status_code == 503
@@ -378,10 +338,11 @@ def test_cors_is_closed_unless_an_origin_is_given():
     from edgespec.server import create_app
     preflight = {"Origin": "http://app.local", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type"}
-    with TestClient(create_app(_fake_engine, model_id="fake")) as c:
+    with TestClient(create_app(_fake_engine, model_id="fake", hosts=TESTSERVER)) as c:
         r = c.options("/v1/chat/completions", headers=preflight)
         assert "access-control-allow-origin" not in r.headers
-    with TestClient(create_app(_fake_engine, model_id="fake", cors_origins=["http://app.local"], api_key="k")) as c:
+    with TestClient(create_app(_fake_engine, model_id="fake", cors_origins=["http://app.local"], api_key="k",
+                                hosts=TESTSERVER)) as c:
         r = c.options("/v1/chat/completions", headers=preflight)  # a preflight carries no key
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.local"
         r = c.options("/v1/chat/completions", headers=dict(preflight, Origin="http://evil.example"))

@@ -28,6 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import EdgespecError, UsageError
 from . import worker
+from .guard import Guard, HostRule
 from .schemas import ApiError, ChatRequest, CompletionRequest, Envelope, error_body
 
 log = logging.getLogger("edgespec.server")
@@ -41,11 +42,12 @@ SHUTDOWN_GRACE_SECONDS = 2.0
 
 
 def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str] = None,
-               cors_origins: Sequence[str] = (), queue_size: int = 8,
-               on_ready: Optional[Callable[[], None]] = None,
+               cors_origins: Sequence[str] = (), hosts: Optional[HostRule] = None,
+               queue_size: int = 8, on_ready: Optional[Callable[[], None]] = None,
                on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
     """`load()` builds the Engine (it runs on the engine thread once the server listens);
-    `on_ready` / `on_load_error` tell the caller how that went."""
+    `on_ready` / `on_load_error` tell the caller how that went. `hosts`: the Host header values
+    accepted (None: this machine's loopback names); `cors_origins`: the web origins allowed."""
 
     sched: Optional[worker.Scheduler] = None
 
@@ -79,6 +81,8 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    # outermost: a request from a foreign page or a rebound DNS name is refused before anything
+    app.add_middleware(Guard, hosts=hosts or HostRule(), origins=cors_origins)
 
     # -- errors in OpenAI's shape ------------------------------------------------------------------
     @app.exception_handler(ApiError)
@@ -121,19 +125,29 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         assert sched is not None, "the app runs without its lifespan"
         return sched
 
+    key_bytes = api_key.encode("utf-8") if api_key is not None else None
+
+    def key_ok(request: Request) -> bool:
+        if key_bytes is None:
+            return True
+        # the header's bytes as sent (Starlette decodes headers as latin-1): a key outside ASCII
+        # arrives as its UTF-8 bytes
+        raw = next((v for k, v in request.scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = raw.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key_bytes)
+
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         s = scheduler()
         status = {"loading": "loading", "ready": "ok"}.get(s.state, s.state)
-        body = {"status": status, "model": model_id, "running": s.running, "waiting": s.waiting,
-                "served": s.served, "cancelled": s.cancelled}
+        body = {"status": status}
+        if key_ok(request):  # with a key, what runs here is for those who hold it; readiness for all
+            body.update(model=model_id, running=s.running, waiting=s.waiting, served=s.served,
+                        cancelled=s.cancelled)
         return JSONResponse(body, status_code=200 if s.state == "ready" else 503)
 
     async def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        if not key_ok(request):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -148,26 +162,42 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         s = scheduler()
         messages = body.engine_messages()
         kwargs = body.engine_kwargs(_n_ctx(s))
+        tokens = await _prepare(lambda: s.engine.chat_tokens(messages))
         return await _answer(s, request, Envelope("chat", model_id), body,
-                             lambda engine: engine.stream_chat(messages, **kwargs))
+                             lambda engine: engine.stream(tokens, **kwargs))
 
     @v1.post("/completions")
     async def completions(request: Request, body: CompletionRequest = Depends(_json(CompletionRequest))):
         s = scheduler()
         prompt = body.engine_prompt()
         kwargs = body.engine_kwargs(_n_ctx(s))
+        tokens = await _prepare(lambda: s.engine.prompt_tokens(prompt))
         return await _answer(s, request, Envelope("text", model_id), body,
-                             lambda engine: engine.stream(prompt, **kwargs))
+                             lambda engine: engine.stream(tokens, **kwargs))
 
     app.include_router(v1)
     return app
 
 
+async def _prepare(tokenize: Callable[[], list]) -> list:
+    """Tokenize a prompt and check it against the context on a worker thread, not the engine's
+    (which generates meanwhile) nor the event loop: the queue only ever holds work that fits."""
+    try:
+        return await anyio.to_thread.run_sync(tokenize)
+    except EdgespecError as exc:
+        raise _failure(exc) from None
+
+
 def _json(model: type[BaseModel]):
-    """A dependency that reads the body as JSON whatever its Content-Type says (FastAPI's own body
-    parameters would only parse application/json, and `curl -d` sends a form type), validated by
-    `model`; errors go through the RequestValidationError handler like FastAPI's own."""
+    """A dependency that reads the body as JSON, validated by `model`; errors go through the
+    RequestValidationError handler like FastAPI's own. The body must say it is JSON: a browser
+    sends text/plain or a form type across sites without asking first (no CORS preflight)."""
     async def parse(request: Request) -> BaseModel:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise ApiError(415, f"the request body must be JSON sent as 'Content-Type: application/json', "
+                           f"got {kind or 'no Content-Type'!r} (curl: add -H 'Content-Type: application/json')",
+                           code="unsupported_media_type")
         raw = await request.body()
         try:
             return model.model_validate_json(raw or b"{}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import signal
 import socket
 import sys
@@ -47,7 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the key out of the process list)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let a web page or an app's webview from ORIGIN (e.g. http://localhost:5173) call the "
-                   "API; repeatable, '*' for any (default: none)")
+                   "API; repeatable, '*' for any. By default a request that carries an Origin header (every "
+                   "request a browser page makes) is refused with 403")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="also accept requests whose Host header is NAME or NAME:PORT (a name this machine "
+                   "has on the network, or a proxy's); repeatable, '*' for any. By default only 127.0.0.1, "
+                   "localhost, [::1] and the --host address are accepted, which keeps DNS-rebinding pages out")
     p.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE, metavar="N",
                    help=f"requests that may wait while one is answered; beyond that, 503 (default {DEFAULT_QUEUE})")
 
@@ -124,9 +130,17 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from .app import create_app
+        from .guard import HostRule, split_host
     except ImportError as exc:
         raise UsageError(f"the server needs packages that are not installed ({exc.name}): "
                          "pip install 'edgespec[server]'") from None
+    for origin in args.cors_origin:
+        if origin not in ("*", "null") and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+/?", origin):
+            raise UsageError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port], "
+                             "e.g. http://localhost:5173")
+    for name in args.allowed_host:
+        if name.strip() != "*" and not split_host(name)[0]:
+            raise UsageError(f"--allowed-host {name!r} is not a host name: give NAME or NAME:PORT")
     from ..assemble import build
 
     check_model(settings)
@@ -149,9 +163,11 @@ def cmd_serve(args) -> int:
         failed.append(exc)
         server.should_exit = True
 
+    hosts = HostRule(args.allowed_host, port=port, listen=args.host,
+                     any_address=args.host in ("0.0.0.0", "::", "[::]", ""))
     app = create_app(lambda: build(settings, progress=ProgressBar()), model_id=name, api_key=args.api_key,
-                     cors_origins=args.cors_origin, queue_size=args.queue_size, on_ready=on_ready,
-                     on_load_error=on_load_error)
+                     cors_origins=args.cors_origin, hosts=hosts, queue_size=args.queue_size,
+                     on_ready=on_ready, on_load_error=on_load_error)
     config = uvicorn.Config(app, log_level="info" if args.verbose else "warning", access_log=args.verbose,
                             lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

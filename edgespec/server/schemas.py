@@ -15,14 +15,16 @@ from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
+from ..chat import ROLES
 from ..errors import UsageError
 
 
 class ApiError(Exception):
     """An error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+             415: "invalid_request_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
                  type: Optional[str] = None, headers: Optional[dict] = None):
@@ -47,7 +49,51 @@ class StreamOptions(_Body):
     include_usage: Optional[bool] = None
 
 
+# Fields a client may send that cannot change the answer here: ignored. Every other field this
+# server does not implement is refused (400 naming it) unless it holds its neutral value: an app
+# that asked for something gets it or an error, never an answer to another question.
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+    "parallel_tool_calls",   # only means something with tools
+    "cache_prompt", "id_slot",  # llama.cpp server's: prefix reuse, which this server always does
+})
+
+
+def _off(value) -> bool:
+    return value is None or value is False or value == 0 or value in ("", [], {})
+
+
+NEUTRAL = {  # field -> is this value the one that changes nothing
+    "frequency_penalty": _off, "presence_penalty": _off, "logit_bias": _off,
+    "tools": _off, "functions": _off, "audio": _off, "prediction": _off, "web_search_options": _off,
+    "reasoning_effort": _off, "verbosity": _off,
+    "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
+    "modalities": lambda v: v in (None, ["text"]),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    # llama.cpp server's sampling fields, which its clients send
+    "repeat_penalty": lambda v: v in (None, 1, 1.0), "typical_p": lambda v: v in (None, 1, 1.0),
+    "tfs_z": lambda v: v in (None, 1, 1.0), "mirostat": _off, "grammar": _off, "json_schema": _off,
+    "n_probs": _off, "dry_multiplier": _off, "xtc_probability": _off, "ignore_eos": _off,
+}
+
+
+def check_extra_fields(extra: Optional[dict]) -> None:
+    """400 for the first field of the body that this server would otherwise drop in silence."""
+    for name, value in (extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        test = NEUTRAL.get(name)
+        if test is None:
+            raise ApiError(400, f"unknown field {name!r}: this server does not implement it; leave it out",
+                           param=name)
+        if not test(value):
+            raise ApiError(400, f"{name} is not supported by this server: leave it out (or send its neutral "
+                           "value) rather than get an answer that ignores it", param=name)
+
+
 class _Generation(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)  # extras are checked: check_extra_fields
+
     model: Optional[str] = None  # one model is served, whatever the client names
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -69,6 +115,7 @@ class _Generation(_Body):
         """Keyword arguments for Engine.stream/stream_chat, checked (ApiError 400)."""
         from ..engine import _check_seed
         from ..sampling import SamplingParams
+        check_extra_fields(self.model_extra)
         if self.n not in (None, 1):
             raise ApiError(400, "this server returns one choice per request: n must be 1", param="n")
         if self.logprobs or self.top_logprobs:
@@ -136,7 +183,12 @@ class ChatRequest(_Generation):
                 content = "".join(parts)
             else:
                 content = m.content or ""  # assistant turns that held only tool calls
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+            role = "system" if m.role == "developer" else m.role
+            if role not in ROLES:
+                shown = repr(m.role) if len(m.role) <= 40 else repr(m.role[:40]) + "..."
+                raise ApiError(400, f"message {i} has role {shown}; a role is one of {', '.join(ROLES)} "
+                               "(or developer)", param=f"messages.{i}.role")
+            out.append({"role": role, "content": content})
         return out
 
 

@@ -108,6 +108,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens below P x the top probability")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE|JSON",
+                   help="answer with JSON valid against this JSON Schema (a file, or the schema itself); '{}' "
+                   "or '{\"type\": \"object\"}' for any JSON object")
+    c.add_argument("--regex", metavar="RE", help="answer with text matching this regular expression")
+    c.add_argument("--grammar", metavar="FILE", help="answer in this grammar: Lark (llguidance's syntax) or "
+                   "llama.cpp GBNF (root ::= ...)")
 
 
 def _check_arg_text(flag: str, text):
@@ -121,17 +128,39 @@ def _check_arg_text(flag: str, text):
     return text
 
 
-def _sampling_kwargs(args) -> dict:
-    from .engine import _check_seed
-    from .sampling import SamplingParams
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)  # validate before loading
-    if args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    _check_seed(args.seed)
+def _read_spec(flag: str, value: str, *, file_only: bool = False) -> str:
+    """A flag that names a file or, unless `file_only`, holds the text itself."""
+    from pathlib import Path
+    path = Path(value)
+    looks_inline = value.lstrip().startswith(("{", "["))
+    if file_only or (not looks_inline and path.exists()):
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"{flag} file {value} is not UTF-8 text") from None
+        except OSError as exc:
+            raise UsageError(f"cannot read {flag} file {value}: {exc.strerror or exc}") from None
+    if not looks_inline:
+        raise UsageError(f"{flag} {value!r} is neither a file nor JSON text")
+    return value
+
+
+def request_from_args(args):
+    """The one Request of a CLI call, checked before anything loads."""
+    from .request import Request
     for s in args.stop:
         _check_arg_text("--stop", s)
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    constraint = {}
+    if getattr(args, "json_schema", None) is not None:
+        constraint["json_schema"] = _read_spec("--json-schema", args.json_schema)
+    if getattr(args, "regex", None) is not None:
+        constraint["regex"] = _check_arg_text("--regex", args.regex)
+    if getattr(args, "grammar", None) is not None:
+        constraint["grammar"] = _read_spec("--grammar", args.grammar, file_only=True)
+    return Request.build(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop), **constraint)
 
 
 def settings_from_args(args, **overrides):
@@ -199,19 +228,19 @@ def _echo(ev, show_drafts: bool) -> None:
 
 
 def cmd_run(args) -> int:
-    kwargs = _sampling_kwargs(args)
+    req = request_from_args(args)
     _check_arg_text("--system", args.system)
     settings_from_args(args)  # every flag checked before a prompt is read or a model loaded
     if args.prompt is None and not args.file and sys.stdin.isatty() and not args.raw and not args.json:
         with load_engine(args) as engine:
-            return _interactive(engine, args, kwargs)
+            return _interactive(engine, args, req)
     prompt = _read_prompt(args)
     with load_engine(args) as engine:
         if args.raw:
-            events = engine.stream(prompt, **kwargs)
+            events = engine.stream(prompt, req)
         else:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            events = engine.stream_chat(messages + [{"role": "user", "content": prompt}], **kwargs)
+            events = engine.stream_chat(messages + [{"role": "user", "content": prompt}], req)
         with events:
             for ev in events:
                 if not args.json:
@@ -228,7 +257,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _interactive(engine, args, kwargs) -> int:
+def _interactive(engine, args, req) -> int:
     """Multi-turn chat on a terminal: the conversation so far goes through the chat template."""
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("edgespec chat: type a message, Ctrl-D to quit", file=sys.stderr)
@@ -247,7 +276,7 @@ def _interactive(engine, args, kwargs) -> int:
             print(f"{PROG}: {exc}", file=sys.stderr)
             messages.pop()
             continue
-        with engine.stream_chat(messages, **kwargs) as events:
+        with engine.stream_chat(messages, req) as events:
             for ev in events:
                 _echo(ev, args.show_drafts)
         sys.stdout.write("\n")

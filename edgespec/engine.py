@@ -15,9 +15,11 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .drafters import NO_DRAFT, Round
+from .drafters import NO_DRAFT, Draft, Round
 from .errors import BackendError, DamagedModelError, EdgespecError, EngineClosedError, UsageError
-from .sampling import SamplingParams, verify, verify_greedy, warp
+from .constraints import Guide, mask_logits, tokenizer_for
+from .request import Request, check_seed, check_text
+from .sampling import verify, verify_greedy, warp
 
 FINISH_REASONS = ("eos", "length", "stop", "context", "cancelled")
 
@@ -30,6 +32,7 @@ class GenerationStats:
     generated: int = 0
     drafted: int = 0
     accepted: int = 0
+    forced: int = 0                 # tokens a constraint allowed in one way only (source "grammar")
     rounds: int = 0
     target_forwards: int = 0
     accept_histogram: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafts
@@ -88,29 +91,7 @@ class StreamEvent:
     finish_reason: Optional[str] = None  # set on the closing event only: why generation ended
 
 
-def _check_seed(seed) -> None:
-    if seed is not None and not (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool)
-                                 and 0 <= seed < 2**64):
-        raise UsageError(f"seed must be an integer in 0..2**64-1 (leave it out for a random seed), got {seed!r}")
-
-
-def _check_text(what: str, text) -> str:
-    if not isinstance(text, str):
-        raise UsageError(f"{what} must be a string, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UsageError(f"{what} is not valid UTF-8 text (it holds undecodable bytes): "
-                         "pass text in UTF-8") from None
-    return text
-
-
-def _check_stop(stop) -> tuple[str, ...]:
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)):
-        raise UsageError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    return tuple(s for s in (_check_text("each stop string", s) for s in stop) if s)
+_check_seed, _check_text = check_seed, check_text  # their old names
 
 
 def _stop_prefix(text: str, stop: tuple[str, ...]) -> int:
@@ -121,6 +102,14 @@ def _stop_prefix(text: str, stop: tuple[str, ...]) -> int:
         if any(s.startswith(tail) for s in stop):
             return k
     return 0
+
+
+def _legal(draft: Draft, guide: Guide) -> Draft:
+    """The draft cut at its first token the constraint forbids."""
+    n = guide.legal_prefix(draft.tokens)
+    if n == len(draft.tokens):
+        return draft
+    return Draft(draft.tokens[:n], None if draft.q is None else draft.q[:n], draft.source)
 
 
 def _pad(rows: np.ndarray, width: int) -> np.ndarray:
@@ -431,60 +420,61 @@ class Engine:
         return self._fits(tokens)
 
     # -- generation -----------------------------------------------------------------------
-    def generate(self, prompt: Union[str, Sequence[int]], *, max_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: Optional[int] = None,
-                 stop: Union[str, Sequence[str]] = ()) -> GenerationResult:
+    # Options (or one `request=Request.build(...)`): max_tokens=128, temperature=0.0, top_k=0,
+    # top_p=1.0, min_p=0.0, seed=None, stop=(), and at most one of json_schema (a dict or JSON
+    # text), regex, grammar (Lark or GBNF): the answer then follows it (README, "Structured output").
+    def generate(self, prompt: Union[str, Sequence[int]], request: Optional[Request] = None,
+                 **options) -> GenerationResult:
         """Generate from a verbatim prompt (text, or token ids); waits while another request runs."""
-        with self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         min_p=min_p, seed=seed, stop=stop) as s:
+        with self.stream(prompt, request, **options) as s:
             return s.result()
 
-    def chat(self, messages, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, min_p: float = 0.0, seed: Optional[int] = None,
-             stop: Union[str, Sequence[str]] = ()) -> GenerationResult:
+    def chat(self, messages, request: Optional[Request] = None, **options) -> GenerationResult:
         """`generate` for a conversation, through the target's chat template."""
-        with self.stream_chat(messages, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, min_p=min_p, seed=seed, stop=stop) as s:
+        with self.stream_chat(messages, request, **options) as s:
             return s.result()
 
-    def stream_chat(self, messages, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, min_p: float = 0.0, seed: Optional[int] = None,
-                    stop: Union[str, Sequence[str]] = ()) -> Stream:
+    def stream_chat(self, messages, request: Optional[Request] = None, **options) -> Stream:
         """`stream` for a conversation, through the target's chat template."""
-        return self.stream(self.chat_tokens(messages), max_tokens=max_tokens, temperature=temperature,
-                           top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop)
+        request = Request.of(request, options)
+        return self.stream(self.chat_tokens(messages), request)
 
-    def stream(self, prompt: Union[str, Sequence[int]], *, max_tokens: int = 128, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: Optional[int] = None,
-               stop: Union[str, Sequence[str]] = ()) -> Stream:
+    def stream(self, prompt: Union[str, Sequence[int]], request: Optional[Request] = None, **options) -> Stream:
         """Yield tokens as they are committed, with the text each makes printable.
 
         A text prompt is tokenized verbatim (BOS added, special tokens parsed); a list of ints
         is taken as token ids. Generation ends at an end-of-generation token ("eos"), after
-        `max_tokens` ("length"), at a stop string, not included ("stop"), when the context is
-        full ("context") or on `cancel()` ("cancelled"). Each token's event comes as soon as it
-        is committed; a closing event (token None) carries any text held back (the start of a
-        possible stop string, an unfinished character) and the finish reason.
+        `max_tokens` ("length"), at a stop string, not included ("stop"), when a constraint is
+        complete ("stop"), when the context is full ("context") or on `cancel()`
+        ("cancelled"). Each token's event comes as soon as it is committed; a closing event
+        (token None) carries any text held back (the start of a possible stop string, an
+        unfinished character) and the finish reason.
         """
-        params = SamplingParams(temperature, top_k, top_p, min_p)
-        if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
-            raise UsageError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        _check_seed(seed)
-        stop = _check_stop(stop)
+        request = Request.of(request, options)
         tokens = self.prompt_tokens(prompt)
+        guide = self.guide(request)
         stats = GenerationStats(drafter=self.mode, prompt_tokens=len(tokens))
         holder: list[Stream] = []
-        stream = Stream(self, self._events(tokens, max_tokens, params, seed, stop, stats, holder), stats)
+        stream = Stream(self, self._events(tokens, request, guide, stats, holder), stats)
         holder.append(stream)
         self._acquire(stream)
         return stream
 
-    def _events(self, prompt_tokens, max_tokens, params, seed, stop, stats, holder) -> Iterator[StreamEvent]:
+    def guide(self, request: Request) -> Optional[Guide]:
+        """A fresh matcher for the request's constraint (None without one); UsageError when
+        llguidance refuses it for this vocabulary. Safe from any thread, as `prompt_tokens`."""
+        if request.constraint is None:
+            return None
+        with self._reading() as t:
+            return Guide(request.constraint, tokenizer_for(t), self.n_vocab)
+
+    def _events(self, prompt_tokens, request: Request, guide, stats, holder) -> Iterator[StreamEvent]:
         """Token ids -> events with printable text, each as soon as it is committed; then one
         closing event (token None) with the text held back and the finish reason."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text = ""        # decoded, not yet emitted
-        gen = self._loop(prompt_tokens, max_tokens, params, seed, stats, holder)
+        stop = request.stop
+        gen = self._loop(prompt_tokens, request, guide, stats, holder)
         try:
             for token, from_draft in gen:
                 text += decoder.decode(self.target.token_to_piece(token))
@@ -529,12 +519,18 @@ class Engine:
             raise DamagedModelError(f"{self.target.path.name} produced non-finite logits (NaN): the file is damaged; "
                                     "download it again")
 
-    def _loop(self, prompt_tokens: list[int], max_tokens: int, params: SamplingParams, seed, stats, holder
+    def _loop(self, prompt_tokens: list[int], request: Request, guide: Optional[Guide], stats, holder
               ) -> Iterator[tuple[int, bool]]:
-        """The speculative loop over token ids: yields (token, from_draft) as they are committed."""
+        """The speculative loop over token ids: yields (token, from_draft) as they are committed.
+
+        Under a constraint (`guide`), each round first commits the tokens the grammar forces
+        (the law allows nothing else there: no logits needed, they are fed with the next pass),
+        then verifies the drafter's legal prefix on masked rows; rows a mask decides alone are
+        not asked of llama.cpp."""
         target, drafter = self.target, self.drafter
+        params, max_tokens = request.params, request.max_tokens
         n_ctx = target.n_ctx
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(request.seed)
         tokens = list(prompt_tokens)
         t0 = time.perf_counter()
         carry, stats.reused_prompt_tokens = self._prefill(tokens)
@@ -549,20 +545,33 @@ class Engine:
                 if cancelled.is_set():
                     stats.finish_reason = "cancelled"
                     return
+                if guide is not None:
+                    if guide.done:  # complete: only end-of-generation could follow
+                        stats.finish_reason = "stop"
+                        return
+                    forced = guide.forced()[:min(max_tokens - stats.generated, n_ctx - len(tokens) - 1)]
+                    if forced:
+                        guide.advance(forced)
+                        tokens.extend(forced)
+                        carry = None  # it was the row of the first forced token
+                        self._count_forced(stats, len(forced))
+                        for tok in forced:
+                            stats.generated += 1
+                            stats.decode_seconds = time.perf_counter() - t1
+                            yield tok, True
+                        continue
                 room = min(max_tokens - stats.generated - 1, n_ctx - len(tokens) - 1)
                 td = time.perf_counter()
-                draft = drafter.propose(tokens, room, params, rng) if drafter is not None and room > 0 else NO_DRAFT
+                draft = (drafter.propose(tokens, room, params, rng, guide) if drafter is not None and room > 0
+                         else NO_DRAFT)
+                masks = None
+                if guide is not None:
+                    draft = _legal(draft, guide)
+                    masks = guide.masks(draft.tokens)
                 drafts = draft.tokens
                 tv = time.perf_counter()
-                if carry is not None:  # first round: the last prompt row is already computed
-                    rows = len(drafts)
-                    logits = np.concatenate([carry, target.eval(drafts, range(rows))]) if drafts else carry
-                    carry = None
-                else:
-                    pending = tokens[target.n_past:]
-                    feed = pending + drafts
-                    rows = len(drafts) + 1
-                    logits = target.eval(feed, range(len(pending) - 1, len(feed)))
+                logits, rows, fed = self._verify_pass(tokens, drafts, carry, masks)
+                carry = None
                 if rows:
                     stats.target_forwards += 1
                     self._check_finite(logits)
@@ -572,15 +581,17 @@ class Engine:
                 else:
                     n, y = verify(drafts, warp(_pad(logits, self.n_vocab), params), draft.q, rng)
                 new = drafts[:n] + [y]
-                if not target.truncate(len(tokens) + n):
+                if not target.truncate(min(target.n_past, len(tokens) + n)):
                     raise BackendError("the target's KV cache could not be cut back")
                 tokens.extend(new)
+                if guide is not None:
+                    guide.advance([t for t in new if not target.is_eog(t)])
                 self._count(stats, draft, n)
                 if drafter is not None:
-                    drafter.observe(Round(tokens, draft, n, rows, te - tv, tv - td))
+                    drafter.observe(Round(tokens, draft, n, rows, te - tv, tv - td, fed))
                 for i, tok in enumerate(new):
                     if target.is_eog(tok):
-                        stats.finish_reason = "eos"
+                        stats.finish_reason = "stop" if guide is not None else "eos"
                         return
                     stats.generated += 1
                     stats.decode_seconds = time.perf_counter() - t1
@@ -593,6 +604,55 @@ class Engine:
             describe = getattr(drafter, "describe_costs", None)
             if describe is not None:
                 stats.costs = describe()
+
+    def _verify_pass(self, tokens: list[int], drafts: list[int], carry, masks):
+        """One target pass over what the cache lacks and the drafts: (len(drafts) + 1) rows of
+        logits (masked under a constraint), the rows computed, the tokens evaluated. Row i is the
+        target's logits for drafts[i], the last row the bonus token's; a row a mask leaves one
+        token in is that token's point mass, not asked of llama.cpp (nor is a pass without any
+        open row made: its tokens stay pending for the next)."""
+        target = self.target
+        k = len(drafts)
+        open_rows = list(range(k + 1)) if masks is None else [i for i in range(k + 1) if masks[i].sum() > 1]
+        width = target.n_vocab
+        logits = np.empty((k + 1, width), dtype=np.float32)
+        if carry is not None:  # first round: the last prompt row is already computed (row 0)
+            ask = [i for i in open_rows if i > 0]
+            if ask:
+                got, fed = target.eval(drafts, [i - 1 for i in ask]), len(drafts)
+            else:
+                got, fed = np.zeros((0, width), np.float32), 0
+            logits[0] = carry[0]
+            rows = len(ask)
+        else:
+            pending = tokens[target.n_past:]
+            feed = pending + drafts
+            ask = open_rows
+            if ask:
+                got = target.eval(feed, [len(pending) - 1 + i for i in ask])
+                fed = len(feed)
+            else:
+                got, fed = np.zeros((0, width), np.float32), 0
+            rows = len(ask)
+        for j, i in enumerate(ask):
+            logits[i] = got[j]
+        if masks is None:
+            return logits, rows, fed
+        done = set(ask) | ({0} if carry is not None else set())
+        for i in range(k + 1):
+            if i not in done:  # decided by the mask: a point mass on its one legal token
+                logits[i] = np.where(masks[i][:width], 0.0, -np.inf)
+        return mask_logits(logits, masks), rows, fed
+
+    @staticmethod
+    def _count_forced(stats: GenerationStats, n: int) -> None:
+        stats.drafted += n
+        stats.accepted += n
+        stats.forced += n
+        d = stats.by_drafter.setdefault("grammar", {"rounds": 0, "drafted": 0, "accepted": 0})
+        d["rounds"] += 1
+        d["drafted"] += n
+        d["accepted"] += n
 
     @staticmethod
     def _count(stats: GenerationStats, draft, n: int) -> None:

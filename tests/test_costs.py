@@ -27,7 +27,7 @@ class StubModel:
     def __init__(self, alpha=0.8, seed=0):
         self.alpha, self.rng = alpha, random.Random(seed)
 
-    def draft(self, tokens, n, params, rng):
+    def draft(self, tokens, n, params, rng, guide=None):
         i = len(tokens) - len(PROMPT)
         out = [OUT[i + j] if i + j < len(OUT) and self.rng.random() < self.alpha else 7 for j in range(n)]
         return Draft(out, None, "model")

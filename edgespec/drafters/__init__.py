@@ -6,7 +6,10 @@ was committed, how much of its draft was accepted and what the passes cost. `res
 everything a drafter learnt or cached; `close()` frees what it holds.
 
 A draft carries the q rows its tokens were sampled from, or None for point-mass drafts
-(n-gram lookup, argmax drafting): verification is exact either way.
+(n-gram lookup, argmax drafting): verification is exact either way. Under a constraint,
+`propose` gets the request's `constraints.Guide` at the committed position: a drafter that
+samples (the draft model) samples under its masks and leaves it where it found it; point-mass
+drafts are cut by the engine at the first forbidden token.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ class Round:
     verify_rows: int         # rows of logits the target pass computed (0: no pass this round)
     verify_seconds: float    # wall time of that pass
     draft_seconds: float     # wall time of `propose`
+    fed: int = -1            # tokens that pass evaluated when more than its rows (forced tokens, rows
+                             # a constraint decided): its time is then no sample of a k-row pass
 
 
 class Drafter(Protocol):
@@ -46,7 +51,7 @@ class Drafter(Protocol):
     def begin(self, tokens: list[int]) -> None: ...
 
     def propose(self, tokens: list[int], room: int, params: SamplingParams,
-                rng: np.random.Generator) -> Draft: ...
+                rng: np.random.Generator, guide=None) -> Draft: ...
 
     def observe(self, round: Round) -> None: ...
 

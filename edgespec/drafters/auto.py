@@ -32,7 +32,7 @@ class AutoDrafter:
         if self.model is not None:
             self.model.begin(tokens)
 
-    def propose(self, tokens, room, params, rng) -> Draft:
+    def propose(self, tokens, room, params, rng, guide=None) -> Draft:
         if room <= 0:
             return NO_DRAFT
         m = self.copy.match(tokens, min(room, self.policy.max_gamma))
@@ -42,7 +42,7 @@ class AutoDrafter:
         if choice.drafter in ("copy", "ngram"):
             return Draft(m.continuation[:choice.gamma], None, choice.drafter)
         if choice.drafter == "model":
-            return self.model.draft(tokens, choice.gamma, params, rng)
+            return self.model.draft(tokens, choice.gamma, params, rng, guide)
         return NO_DRAFT
 
     def observe(self, round: Round) -> None:
@@ -57,7 +57,8 @@ class AutoDrafter:
         if round.draft.source == "model":
             policy.model_outcome(round.accepted, len(round.draft.tokens))
             policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds, self._lag)
-        policy.online.observe_pass(round.verify_rows, round.verify_seconds)
+        if round.fed in (-1, round.verify_rows):
+            policy.online.observe_pass(round.verify_rows, round.verify_seconds)
 
     def _model_lag(self, tokens: list[int]) -> int:
         """Committed tokens the draft model has not evaluated: it skips plain rounds, and must

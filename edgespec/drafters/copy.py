@@ -252,7 +252,8 @@ class CopyDrafter:
                 q += 1
         return out[:limit], places[:limit]
 
-    def propose(self, tokens, room, params, rng) -> Draft:
+    def propose(self, tokens, room, params, rng, guide=None) -> Draft:
+        # point masses: the engine cuts them at the first token a constraint forbids
         return Draft(self.match(tokens, min(self.gamma, room)).continuation, None, self.name)
 
     def outcome(self, tokens: list[int]) -> tuple[CopyMatch, int, int] | None:

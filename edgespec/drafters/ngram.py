@@ -105,7 +105,8 @@ class NgramDrafter:
         self.last = (len(tokens), run, cont)
         return Match(run, cont)
 
-    def propose(self, tokens, room, params, rng) -> Draft:
+    def propose(self, tokens, room, params, rng, guide=None) -> Draft:
+        # point masses: the engine cuts them at the first token a constraint forbids
         return Draft(self.match(tokens, min(self.gamma, room)).continuation, None, self.name)
 
     def outcome(self, tokens: list[int]) -> tuple[int, int, int] | None:

@@ -161,29 +161,33 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
     async def chat_completions(request: Request, body: ChatRequest = Depends(_json(ChatRequest))):
         s = scheduler()
         messages = body.engine_messages()
-        kwargs = body.engine_kwargs(_n_ctx(s))
-        tokens = await _prepare(lambda: s.engine.chat_tokens(messages))
+        req = body.engine_request(_n_ctx(s))
+        tokens, guide = await _prepare(s.engine, lambda: s.engine.chat_tokens(messages), req)
         return await _answer(s, request, Envelope("chat", model_id), body,
-                             lambda engine: engine.stream(tokens, **kwargs))
+                             lambda engine: engine.stream(tokens, req))
 
     @v1.post("/completions")
     async def completions(request: Request, body: CompletionRequest = Depends(_json(CompletionRequest))):
         s = scheduler()
         prompt = body.engine_prompt()
-        kwargs = body.engine_kwargs(_n_ctx(s))
-        tokens = await _prepare(lambda: s.engine.prompt_tokens(prompt))
+        req = body.engine_request(_n_ctx(s))
+        tokens, guide = await _prepare(s.engine, lambda: s.engine.prompt_tokens(prompt), req)
         return await _answer(s, request, Envelope("text", model_id), body,
-                             lambda engine: engine.stream(tokens, **kwargs))
+                             lambda engine: engine.stream(tokens, req))
 
     app.include_router(v1)
     return app
 
 
-async def _prepare(tokenize: Callable[[], list]) -> list:
-    """Tokenize a prompt and check it against the context on a worker thread, not the engine's
-    (which generates meanwhile) nor the event loop: the queue only ever holds work that fits."""
+async def _prepare(engine, tokenize: Callable[[], list], req) -> tuple[list, Any]:
+    """Tokenize a prompt and check it against the context, and check the request's constraint
+    against the vocabulary (the first one builds llguidance's tokenizer, about a second), on a
+    worker thread, not the engine's (which generates meanwhile) nor the event loop: the queue
+    only ever holds work that fits."""
+    def work():
+        return tokenize(), engine.guide(req)
     try:
-        return await anyio.to_thread.run_sync(tokenize)
+        return await anyio.to_thread.run_sync(work)
     except EdgespecError as exc:
         raise _failure(exc) from None
 

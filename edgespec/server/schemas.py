@@ -16,7 +16,9 @@ from typing import Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from ..chat import ROLES
+from ..constraints import json_object_schema
 from ..errors import UsageError
+from ..request import Request, check_seed
 
 
 class ApiError(Exception):
@@ -69,10 +71,9 @@ NEUTRAL = {  # field -> is this value the one that changes nothing
     "reasoning_effort": _off, "verbosity": _off,
     "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
     "modalities": lambda v: v in (None, ["text"]),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     # llama.cpp server's sampling fields, which its clients send
     "repeat_penalty": lambda v: v in (None, 1, 1.0), "typical_p": lambda v: v in (None, 1, 1.0),
-    "tfs_z": lambda v: v in (None, 1, 1.0), "mirostat": _off, "grammar": _off, "json_schema": _off,
+    "tfs_z": lambda v: v in (None, 1, 1.0), "mirostat": _off,
     "n_probs": _off, "dry_multiplier": _off, "xtc_probability": _off, "ignore_eos": _off,
 }
 
@@ -107,13 +108,43 @@ class _Generation(_Body):
     n: Optional[int] = None
     logprobs: Union[bool, int, None] = None
     top_logprobs: Optional[int] = None
+    response_format: Optional[dict] = None
+    json_schema: Optional[dict] = None   # llama.cpp server's names for the same constraints
+    grammar: Optional[str] = None
 
     def _limit(self) -> Optional[int]:
         return self.max_tokens
 
-    def engine_kwargs(self, n_ctx: int) -> dict:
-        """Keyword arguments for Engine.stream/stream_chat, checked (ApiError 400)."""
-        from ..engine import _check_seed
+    def constraint(self) -> tuple[dict, Optional[str]]:
+        """(Request.build's constraint option, the field it came from)."""
+        given = [(name, v) for name, v in (("response_format", self._response_format()), ("json_schema",
+                 self.json_schema and {"json_schema": self.json_schema}), ("grammar", self.grammar and
+                 {"grammar": self.grammar})) if v]
+        if len(given) > 1:
+            raise ApiError(400, f"give one of {' and '.join(n for n, _ in given)}, not both", param=given[1][0])
+        return (given[0][1], given[0][0]) if given else ({}, None)
+
+    def _response_format(self) -> Optional[dict]:
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"json_schema": json_object_schema()}
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format json_schema needs {\"name\", \"schema\": {...}}",
+                               param="response_format.json_schema.schema")
+            return {"json_schema": schema}
+        raise ApiError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                       param="response_format.type")
+
+    def engine_request(self, n_ctx: int) -> Request:
+        """The engine's Request for this body, checked (ApiError 400 naming the field)."""
         from ..sampling import SamplingParams
         check_extra_fields(self.model_extra)
         if self.n not in (None, 1):
@@ -130,15 +161,20 @@ class _Generation(_Body):
             except UsageError as exc:
                 raise ApiError(400, str(exc), param=name) from None
         try:
-            _check_seed(self.seed)
+            check_seed(self.seed)
         except UsageError as exc:
             raise ApiError(400, str(exc), param="seed") from None
         limit = self._limit()
         if limit is not None and limit < 1:
             raise ApiError(400, f"max_tokens must be >= 1, got {limit}", param=self._limit_name())
-        # no limit: until the end of the answer or of the context, as OpenAI does
-        return dict(sampling, max_tokens=n_ctx if limit is None else limit, seed=self.seed,
-                    stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
+        constraint, field = self.constraint()
+        try:
+            # no limit: until the end of the answer or of the context, as OpenAI does
+            return Request.build(**sampling, max_tokens=n_ctx if limit is None else limit, seed=self.seed,
+                                 stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+                                 **constraint)
+        except UsageError as exc:  # a schema or grammar llguidance refuses, a bad stop string
+            raise ApiError(400, str(exc), param=field or "stop") from None
 
     def _limit_name(self) -> str:
         return "max_tokens"

@@ -32,7 +32,7 @@ class GenerationStats:
     generated: int = 0
     drafted: int = 0
     accepted: int = 0
-    forced: int = 0                 # tokens a constraint allowed in one way only (source "grammar")
+    forced: int = 0                 # accepted tokens a constraint forced (drafts of source "grammar")
     rounds: int = 0
     target_forwards: int = 0
     accept_histogram: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafts
@@ -92,6 +92,7 @@ class StreamEvent:
 
 
 _check_seed, _check_text = check_seed, check_text  # their old names
+_rng = np.random.default_rng  # the loop's source of randomness (tests enumerate every draw through it)
 
 
 def _stop_prefix(text: str, stop: tuple[str, ...]) -> int:
@@ -523,14 +524,13 @@ class Engine:
               ) -> Iterator[tuple[int, bool]]:
         """The speculative loop over token ids: yields (token, from_draft) as they are committed.
 
-        Under a constraint (`guide`), each round first commits the tokens the grammar forces
-        (the law allows nothing else there: no logits needed, they are fed with the next pass),
-        then verifies the drafter's legal prefix on masked rows; rows a mask decides alone are
-        not asked of llama.cpp."""
+        Under a constraint (`guide`), each round drafts the tokens the grammar forces, then the
+        drafter's legal continuation, and verifies them on masked rows; rows a mask decides
+        alone (one legal token) are not asked of llama.cpp."""
         target, drafter = self.target, self.drafter
         params, max_tokens = request.params, request.max_tokens
         n_ctx = target.n_ctx
-        rng = np.random.default_rng(request.seed)
+        rng = _rng(request.seed)
         tokens = list(prompt_tokens)
         t0 = time.perf_counter()
         carry, stats.reused_prompt_tokens = self._prefill(tokens)
@@ -545,29 +545,13 @@ class Engine:
                 if cancelled.is_set():
                     stats.finish_reason = "cancelled"
                     return
-                if guide is not None:
-                    if guide.done:  # complete: only end-of-generation could follow
-                        stats.finish_reason = "stop"
-                        return
-                    forced = guide.forced()[:min(max_tokens - stats.generated, n_ctx - len(tokens) - 1)]
-                    if forced:
-                        guide.advance(forced)
-                        tokens.extend(forced)
-                        carry = None  # it was the row of the first forced token
-                        self._count_forced(stats, len(forced))
-                        for tok in forced:
-                            stats.generated += 1
-                            stats.decode_seconds = time.perf_counter() - t1
-                            yield tok, True
-                        continue
+                if guide is not None and guide.done:  # complete: only end-of-generation could follow
+                    stats.finish_reason = "stop"
+                    return
                 room = min(max_tokens - stats.generated - 1, n_ctx - len(tokens) - 1)
                 td = time.perf_counter()
-                draft = (drafter.propose(tokens, room, params, rng, guide) if drafter is not None and room > 0
-                         else NO_DRAFT)
-                masks = None
-                if guide is not None:
-                    draft = _legal(draft, guide)
-                    masks = guide.masks(draft.tokens)
+                draft, inner, n_forced = self._draft(tokens, room, params, rng, guide)
+                masks = guide.masks(draft.tokens) if guide is not None else None
                 drafts = draft.tokens
                 tv = time.perf_counter()
                 logits, rows, fed = self._verify_pass(tokens, drafts, carry, masks)
@@ -577,18 +561,18 @@ class Engine:
                     self._check_finite(logits)
                 te = time.perf_counter()
                 if params.greedy:
-                    n, y = verify_greedy(drafts, logits)
+                    n, y = verify_greedy(drafts, logits if masks is None else mask_logits(logits, masks))
                 else:
-                    n, y = verify(drafts, warp(_pad(logits, self.n_vocab), params), draft.q, rng)
+                    n, y = verify(drafts, self._target_law(logits, masks, params), draft.q, rng)
                 new = drafts[:n] + [y]
                 if not target.truncate(min(target.n_past, len(tokens) + n)):
                     raise BackendError("the target's KV cache could not be cut back")
                 tokens.extend(new)
                 if guide is not None:
                     guide.advance([t for t in new if not target.is_eog(t)])
-                self._count(stats, draft, n)
+                self._count(stats, draft, n, n_forced, inner.source)
                 if drafter is not None:
-                    drafter.observe(Round(tokens, draft, n, rows, te - tv, tv - td, fed))
+                    drafter.observe(Round(tokens, inner, max(0, n - n_forced), rows, te - tv, tv - td, fed))
                 for i, tok in enumerate(new):
                     if target.is_eog(tok):
                         stats.finish_reason = "stop" if guide is not None else "eos"
@@ -642,32 +626,63 @@ class Engine:
         for i in range(k + 1):
             if i not in done:  # decided by the mask: a point mass on its one legal token
                 logits[i] = np.where(masks[i][:width], 0.0, -np.inf)
-        return mask_logits(logits, masks), rows, fed
+        return logits, rows, fed
+
+    def _target_law(self, logits: np.ndarray, masks: Optional[np.ndarray], params) -> np.ndarray:
+        """p: each row's logits with the forbidden tokens at -inf first, then the filters and the
+        temperature (`warp`), as the constrained target would sample."""
+        rows = _pad(logits, self.n_vocab)
+        return warp(rows if masks is None else mask_logits(rows, masks), params)
+
+    def _draft(self, tokens: list[int], room: int, params, rng, guide: Optional[Guide]):
+        """This round's draft: the tokens the constraint forces from here (point masses, source
+        "grammar": verified like any draft, since the law may still prefer another tokenization
+        of the same bytes), then the drafter's proposal after them, cut at its first forbidden
+        token. Returns (the whole draft, the drafter's part, how many were forced)."""
+        drafter = self.drafter
+        forced: list[int] = []
+        if guide is not None and room > 0 and drafter is not None:  # no drafter: plain decoding
+            forced = guide.forced()[:room]
+            guide.advance(forced)
+        try:
+            left = room - len(forced)
+            inner = (drafter.propose(tokens + forced, left, params, rng, guide) if drafter is not None and left > 0
+                     else NO_DRAFT)
+            if guide is not None:
+                inner = _legal(inner, guide)
+        finally:
+            if forced:
+                guide.rollback(len(forced))
+        if not forced:
+            return inner, inner, 0
+        q = None
+        if inner.q is not None:  # the forced tokens' rows are point masses
+            q = np.zeros((len(forced) + len(inner.tokens), inner.q.shape[1]), dtype=np.float32)
+            q[np.arange(len(forced)), forced] = 1.0
+            q[len(forced):] = inner.q
+        return Draft(forced + inner.tokens, q, "grammar"), inner, len(forced)
 
     @staticmethod
-    def _count_forced(stats: GenerationStats, n: int) -> None:
-        stats.drafted += n
-        stats.accepted += n
-        stats.forced += n
-        d = stats.by_drafter.setdefault("grammar", {"rounds": 0, "drafted": 0, "accepted": 0})
-        d["rounds"] += 1
-        d["drafted"] += n
-        d["accepted"] += n
-
-    @staticmethod
-    def _count(stats: GenerationStats, draft, n: int) -> None:
+    def _count(stats: GenerationStats, draft, n: int, n_forced: int = 0, source: str = "") -> None:
+        """One round in the stats; a constrained draft counts its forced part (source "grammar")
+        apart from the drafter's."""
         stats.rounds += 1
         drafts = draft.tokens
         if drafts:
             stats.drafted += len(drafts)
             stats.accepted += n
+            stats.forced += min(n, n_forced)
             if len(stats.accept_histogram) <= len(drafts):
                 stats.accept_histogram.extend([0] * (len(drafts) + 1 - len(stats.accept_histogram)))
             stats.accept_histogram[n] += 1
-        d = stats.by_drafter.setdefault(draft.source if drafts else "none", {"rounds": 0, "drafted": 0, "accepted": 0})
-        d["rounds"] += 1
-        d["drafted"] += len(drafts)
-        d["accepted"] += n
+        parts = [(draft.source if drafts else "none", len(drafts), n)] if not n_forced else \
+            [("grammar", n_forced, min(n, n_forced))] + \
+            ([(source, len(drafts) - n_forced, max(0, n - n_forced))] if len(drafts) > n_forced else [])
+        for name, k, acc in parts:
+            d = stats.by_drafter.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})
+            d["rounds"] += 1
+            d["drafted"] += k
+            d["accepted"] += acc
 
 
 class _Placeholder:

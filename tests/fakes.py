@@ -8,8 +8,10 @@ import numpy as np
 
 
 class FakeBackend:
-    def __init__(self, table: np.ndarray, *, n_ctx: int = 4096, eos: int = -1, name: str = "fake"):
+    def __init__(self, table: np.ndarray, *, n_ctx: int = 4096, eos: int = -1, name: str = "fake",
+                 vocab_bytes=None):
         self.table = np.asarray(table, dtype=np.float32)  # (V, V): row = previous token
+        self.vocab_bytes = vocab_bytes  # each token's bytes, for constraints (llguidance's tokenizer)
         self.n_vocab = self.table.shape[1]
         self.n_ctx = n_ctx
         self.eos = eos
@@ -42,6 +44,27 @@ class FakeBackend:
 
     def chat_template(self):
         return None
+
+    def guidance_tokenizer(self):
+        """llguidance's tokenizer over `vocab_bytes` (it needs every single byte as a token)."""
+        from llguidance import LLTokenizer, TokenizerWrapper
+        assert self.vocab_bytes is not None, "FakeBackend(vocab_bytes=...) for constrained generation"
+        backend = self
+
+        class Wrapped:
+            eos_token_id, bos_token_id = self.eos, None
+            tokens = [b"\xff" + t if i == self.eos else t for i, t in enumerate(self.vocab_bytes)]
+            special_token_ids = [self.eos]
+
+            def __call__(self, data: bytes):  # longest match first, as BPE would mostly give
+                out, i = [], 0
+                while i < len(data):
+                    fits = [t for t, b in enumerate(backend.vocab_bytes) if t != backend.eos and data.startswith(b, i)]
+                    best = max(fits, key=lambda t: len(backend.vocab_bytes[t]))
+                    out.append(best)
+                    i += len(backend.vocab_bytes[best])
+                return out
+        return LLTokenizer(TokenizerWrapper(Wrapped()))
 
     def is_eog(self, token):
         return token == self.eos

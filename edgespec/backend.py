@@ -144,9 +144,13 @@ class LlamaBackend:
     def guidance_tokenizer(self):
         """llguidance's tokenizer over this vocabulary; every end-of-generation token counts as
         the end of a constrained answer (callers cache it: constraints.tokenizer_for)."""
+        import warnings
+
         from llguidance.llamacpp import lltokenizer_from_vocab
         eog = [t for t in range(self.n_vocab) if self.is_eog(t)]
-        return lltokenizer_from_vocab(self._vocab, eos_token=eog or None)
+        with warnings.catch_warnings():  # it calls a binding llama-cpp-python marks deprecated, per token
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return lltokenizer_from_vocab(self._vocab, eos_token=eog or None)
 
     def is_eog(self, token: int) -> bool:
         return bool(_llama().llama_vocab_is_eog(self._vocab, token))

@@ -25,6 +25,7 @@ from .errors import UsageError
 # (README, "Structured output": the layout choice and its measurements).
 JSON_OPTIONS = {"whitespace_flexible": False}
 KINDS = ("json_schema", "regex", "grammar")
+NAMES = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}
 
 
 def _llg():
@@ -76,11 +77,11 @@ class Constraint:
             source, text = value, M.grammar_from_lark(_to_lark(value))
         error = M.validate_grammar(text)
         if error:
-            raise UsageError(f"the {kind.replace('_', ' ')} was refused: {_first_line(error)}")
+            raise UsageError(f"the {NAMES[kind]} was refused: {_first_line(error)}")
         return cls(kind, source, text)
 
     def describe(self) -> str:
-        return {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}[self.kind]
+        return NAMES[self.kind]
 
 
 def _first_line(exc) -> str:

@@ -10,6 +10,7 @@ same in both processes. A few tests run the app in-process on a fake engine (loa
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -349,3 +350,43 @@ def test_cors_is_closed_unless_an_origin_is_given():
         assert r.headers.get("access-control-allow-origin") != "http://evil.example"
         r = c.get("/v1/models", headers={"Origin": "http://app.local", "Authorization": "Bearer k"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.local"
+
+
+# -- structured output -------------------------------------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+EXTRACT = [{"role": "user", "content": "Extract as JSON: Maria Lopez is 41."}]
+
+
+def test_response_format_json_schema_and_json_object_are_followed(client):
+    import jsonschema
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for temperature in (0, 1):
+        r = client.chat.completions.create(model="x", messages=EXTRACT, max_tokens=60, temperature=temperature,
+                                           seed=3, response_format=fmt)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+        assert r.model_extra["edgespec"]["by_drafter"]["grammar"]["drafted"] > 0
+    chunks = client.chat.completions.create(model="x", messages=EXTRACT, max_tokens=60, temperature=0,
+                                            response_format=fmt, stream=True)
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), PERSON)
+    r = client.chat.completions.create(model="x", messages=EXTRACT, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert r.choices[0].message.content.startswith("{")
+    r = client.completions.create(model="x", prompt="The answer is", max_tokens=8, temperature=0,
+                                  extra_body={"json_schema": {"type": "integer"}})
+    assert re.fullmatch(r"-?[0-9]+", r.choices[0].text.strip()), r.choices[0].text
+
+
+@pytest.mark.parametrize("fmt, param", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
+    ({"type": "xml"}, "response_format.type"),
+])
+def test_bad_response_formats_are_400_naming_the_field(client, fmt, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="x", messages=EXTRACT, max_tokens=4, response_format=fmt)
+    assert e.value.param == param

@@ -113,9 +113,9 @@ def test_prompts_too_big_for_the_context_are_refused_without_holding_up_the_queu
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("prediction", {"type": "content", "content": "x"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"), ("logit_bias", {"42": 5}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
-    ("repeat_penalty", 1.1), ("grammar", "root ::= \"a\""), ("a_field_from_the_future", [1]), ("logprobs", True),
+    ("repeat_penalty", 1.1), ("mirostat", 2), ("a_field_from_the_future", [1]), ("logprobs", True),
 ])
 def test_fields_the_server_would_ignore_are_refused_by_name(keyless, field, value):
     err = _error(_post(keyless, dict(HI, **{field: value})), 400)

@@ -10,7 +10,42 @@ from typing import Optional, Union
 from .errors import UsageError
 from .progress import ProgressCallback, log
 
-DRAFTERS = ("auto", "model", "ngram", "none")
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One `--drafter` mode: how to build it, whether it loads a draft model, and which of the
+    memory planner's configurations it is ("model", "ngram" (an index over the context) or "none")."""
+
+    name: str
+    model: str                  # "needs" | "uses" (when the pair has one) | "no"
+    plans_as: str
+    help: str
+
+    def build(self, target, model, gamma: int, policy=None):
+        from .drafters.auto import AutoDrafter
+        from .drafters.copy import CopyDrafter
+        from .drafters.ngram import NgramDrafter
+        if self.name == "none":
+            return None
+        if self.name == "model":
+            return model
+        if self.name == "ngram":
+            return NgramDrafter(gamma)
+        if self.name == "copy":
+            return CopyDrafter(gamma)
+        return AutoDrafter(policy(), CopyDrafter(), model)
+
+
+REGISTRY = {k.name: k for k in (
+    DrafterKind("auto", "uses", "model", "per round: a copy of the context, the draft model or no draft, from costs "
+                "measured on this device"),
+    DrafterKind("model", "needs", "model", "the draft model, --gamma tokens a round"),
+    DrafterKind("ngram", "no", "ngram", "prompt lookup (n-grams of the context), --gamma tokens a round"),
+    DrafterKind("copy", "no", "ngram", "aligned copies of the prompt or the answer (edits), --gamma tokens a round"),
+    DrafterKind("none", "no", "none", "plain decoding"),
+)}
+DRAFTERS = tuple(REGISTRY)
 CALIBRATE = ("auto", "now", "never")
 ALL_LAYERS = -1  # n_gpu_layers: offload every layer
 
@@ -85,9 +120,9 @@ def resolve_files(settings: Settings, *, download: bool = True, progress: Option
     target, pair_draft = resolve(settings.target_name(), models_file=settings.models_file, download=download,
                                  progress=progress)
     draft = settings.draft or pair_draft
-    if settings.drafter not in ("auto", "model"):
+    if REGISTRY[settings.drafter].model == "no":
         draft = None
-    if settings.drafter == "model" and not draft:
+    if REGISTRY[settings.drafter].model == "needs" and not draft:
         raise UsageError("--drafter model needs a draft: pass --draft PATH or a pair that has one")
     return Path(target), Path(draft) if draft else None
 
@@ -97,17 +132,21 @@ def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool]:
     trying memory.plan's order: draft model, n-gram, plain decoding."""
     from .memory import plan
     budget = settings.budget_bytes()
-    choice = plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=settings.drafter, budget=budget)["choice"]
+    kind = REGISTRY[settings.drafter]
+    mode = settings.drafter if settings.drafter == "auto" else kind.plans_as
+    choice = plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=mode, budget=budget)["choice"]
     if choice.get("n_ctx") != settings.n_ctx:
         raise UsageError(f"{t_info.path.name} does not fit in {budget / 2**30:.2f} GiB even without a drafter "
                          f"at n_ctx {settings.n_ctx}: lower --ctx or raise --memory-budget (see `edgespec plan`)")
     got = choice["drafter"]
-    wanted = "model" if d_info is not None else ("ngram" if settings.drafter in ("auto", "ngram") else "none")
+    wanted = "model" if d_info is not None else ("ngram" if mode in ("auto", "ngram") else "none")
     if got != wanted:
         log.warning("the %s drafter does not fit in %.2f GiB at n_ctx %d: using %s drafting instead",
                     wanted, budget / 2**30, settings.n_ctx, got)
     if settings.drafter == "auto" and got != "none":
         return "auto", got == "model"
+    if got == kind.plans_as:  # it fits as asked (copy plans as an n-gram index)
+        return settings.drafter, got == "model"
     return got, got == "model"
 
 
@@ -156,21 +195,13 @@ def build(settings: Settings, *, download: bool = True, calibrate: str = "auto",
 
 def make_drafter(mode: str, target, draft_backend=None, *, gamma: int = 4, calibrate: str = "auto",
                  progress: Optional[ProgressCallback] = None):
-    """The drafter object for a mode, over loaded backends."""
-    from .drafters.auto import AutoDrafter
-    from .drafters.copy import CopyDrafter
+    """The drafter object for a mode (see REGISTRY), over loaded backends."""
     from .drafters.model import ModelDrafter
-    from .drafters.ngram import NgramDrafter
+    check_drafter(mode)
     n_vocab = max(target.n_vocab, draft_backend.n_vocab) if draft_backend is not None else target.n_vocab
     model = ModelDrafter(draft_backend, n_vocab, gamma) if draft_backend is not None else None
-    if mode == "none":
-        return None
-    if mode == "model":
-        return model
-    if mode == "ngram":
-        return NgramDrafter(gamma)
-    return AutoDrafter(make_policy(target, draft_backend, calibrate=calibrate, progress=progress),
-                       CopyDrafter(), model)
+    return REGISTRY[mode].build(target, model, gamma,
+                                lambda: make_policy(target, draft_backend, calibrate=calibrate, progress=progress))
 
 
 def make_policy(target, draft_backend=None, *, calibrate: str = "auto", progress=None):

@@ -81,10 +81,9 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     p.add_argument("--target", metavar="PATH", help="target GGUF file (instead of a pair)")
     p.add_argument("--draft", metavar="PATH", help="draft GGUF file (overrides the pair's draft)")
     if drafter:
+        from .assemble import REGISTRY
         p.add_argument("--drafter", default="auto", metavar="MODE",
-                       help="auto | model | ngram | none. auto (default) picks per round between n-gram "
-                       "lookup, the draft model and plain decoding from costs measured on this device; "
-                       "model and ngram always draft --gamma tokens; none is plain decoding")
+                       help="; ".join(f"{k.name}: {k.help}" for k in REGISTRY.values()) + " (default auto)")
     p.add_argument("--models", metavar="FILE", help="your own models.toml, extending the built-in one "
                    "(also $EDGESPEC_MODELS)")
     p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context size in tokens (default 4096)")

@@ -105,3 +105,14 @@ def test_cli_json_schema_from_a_file_or_inline_and_errors(smol, tmp_path):
         r = _run(smol, *bad, "-p", "hi")
         assert r.returncode == 2, r.stderr
         assert what in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_every_registered_drafter_is_a_mode_of_the_cli_and_library(smol):
+    from edgespec.assemble import DRAFTERS
+    assert set(DRAFTERS) == {"auto", "model", "ngram", "copy", "none"}
+    with Engine.load(str(smol), drafter="copy", n_ctx=512, threads=1) as eng:
+        r = eng.chat([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog"}],
+                     max_tokens=16)
+        assert eng.mode == "copy" and r.stats.by_drafter.get("copy", {}).get("accepted", 0) > 0
+    with pytest.raises(UsageError, match="unknown drafter 'lookup'; choose one of auto, model, ngram, copy, none"):
+        Engine.load(str(smol), drafter="lookup")

@@ -1,11 +1,11 @@
 """edgespec: exact speculative decoding for GGUF models on llama.cpp."""
-from .errors import (BackendError, DownloadError, EdgespecError, EngineClosedError, IncompatiblePairError,
-                     ModelFileError, RegistryError, UsageError)
+from .errors import (BackendError, ContextLengthError, DownloadError, EdgespecError, EngineClosedError,
+                     IncompatiblePairError, ModelFileError, RegistryError, UsageError)
 from .progress import Progress
 
 __all__ = ["Engine", "Settings", "Stream", "GenerationResult", "GenerationStats", "StreamEvent", "SamplingParams",
            "Progress", "EdgespecError", "UsageError", "ModelFileError", "IncompatiblePairError", "RegistryError",
-           "DownloadError", "BackendError", "EngineClosedError"]
+           "DownloadError", "BackendError", "EngineClosedError", "ContextLengthError", "Request"]
 
 
 def _version() -> str:
@@ -20,7 +20,7 @@ def _version() -> str:
 __version__ = _version()
 
 _LAZY = {"Engine": "engine", "Stream": "engine", "GenerationResult": "engine", "GenerationStats": "engine",
-         "StreamEvent": "engine", "SamplingParams": "sampling", "Settings": "assemble"}
+         "StreamEvent": "engine", "SamplingParams": "sampling", "Settings": "assemble", "Request": "request"}
 
 
 def __getattr__(name):

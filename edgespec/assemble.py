@@ -48,6 +48,7 @@ REGISTRY = {k.name: k for k in (
 DRAFTERS = tuple(REGISTRY)
 CALIBRATE = ("auto", "now", "never")
 ALL_LAYERS = -1  # n_gpu_layers: offload every layer
+DEFAULT_CACHE_MAX = 2**30  # the default prompt cache: at most 1 GiB of host RAM
 
 
 def check_drafter(mode) -> None:
@@ -76,6 +77,7 @@ class Settings:
     draft_n_gpu_layers: int = ALL_LAYERS
     gamma: int = 4                     # draft length of the fixed-length drafters (model, ngram)
     memory_budget: Union[int, str, None] = None
+    cache_ram: Union[int, str, None] = None  # prompt cache in host RAM (bytes or "512MiB"; 0: none; None: default)
     models_file: Optional[str] = None
     verbose: bool = False              # llama.cpp's own logs
 
@@ -94,6 +96,7 @@ class Settings:
                 raise UsageError(f"{name} must be a path or a name, got {type(v).__name__}")
         if self.memory_budget is not None:
             self.budget_bytes()
+        self.cache_bytes()
         return self
 
     def budget_bytes(self) -> Optional[int]:
@@ -106,6 +109,24 @@ class Settings:
                 raise UsageError(f"the memory budget must be more than zero, got {b}")
             return b
         return parse_size(b)
+
+    def cache_bytes(self) -> int:
+        """The prompt cache's size: as given, or by default a tenth of the memory budget or of
+        the RAM available now, at most DEFAULT_CACHE_MAX."""
+        from .memory import parse_size
+        c = self.cache_ram
+        if c is None:
+            if self.memory_budget is not None:
+                return min(DEFAULT_CACHE_MAX, self.budget_bytes() // 10)
+            import psutil
+            return min(DEFAULT_CACHE_MAX, psutil.virtual_memory().available // 10)
+        if isinstance(c, int) and not isinstance(c, bool):
+            if c < 0:
+                raise UsageError(f"cache_ram must be >= 0 bytes (0 turns the prompt cache off), got {c}")
+            return c
+        if isinstance(c, str) and c.strip() == "0":
+            return 0
+        return parse_size(c)
 
     def target_name(self) -> str:
         from .registry import load_registry
@@ -131,7 +152,7 @@ def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool]:
     """(drafter mode, keep the draft model?) that fit the budget at the wanted context size,
     trying memory.plan's order: draft model, n-gram, plain decoding."""
     from .memory import plan
-    budget = settings.budget_bytes()
+    budget = settings.budget_bytes() - settings.cache_bytes()  # the prompt cache lives in the same RAM
     kind = REGISTRY[settings.drafter]
     mode = settings.drafter if settings.drafter == "auto" else kind.plans_as
     choice = plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=mode, budget=budget)["choice"]
@@ -184,8 +205,10 @@ def build(settings: Settings, *, download: bool = True, calibrate: str = "auto",
         if draft_path:
             db = LlamaBackend(draft_path, n_ctx=settings.n_ctx, n_gpu_layers=settings.draft_n_gpu_layers,
                               threads=settings.threads, verbose=settings.verbose)
+        from .promptcache import PromptCache
+        cache_bytes = settings.cache_bytes()
         return Engine(tb, make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate,
-                                       progress=progress))
+                                       progress=progress), cache=PromptCache(cache_bytes) if cache_bytes else None)
     except BaseException:
         if db is not None:
             db.close()

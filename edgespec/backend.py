@@ -236,6 +236,32 @@ class LlamaBackend:
             return 0
         return n
 
+    def save_state(self) -> tuple[tuple[int, ...], bytes]:
+        """(the tokens the KV cache holds, its bytes): llama.cpp's state of the sequence, to be
+        put back, byte for byte, by `load_state`."""
+        L = _llama()
+        self._drop_stray()
+        size = int(L.llama_state_seq_get_size(self._ctx, 0))
+        data = bytearray(size)
+        n = int(L.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, 0))
+        if n <= 0:
+            raise BackendError(f"llama.cpp could not save the KV cache of {self.path.name}")
+        del data[n:]
+        return tuple(self.tokens), data
+
+    def load_state(self, tokens, data: bytes) -> None:
+        """Replace the KV cache with a state `save_state` returned (of this model and context)."""
+        L = _llama()
+        L.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        self.tokens.clear()
+        self._stray = False
+        buf = (ctypes.c_uint8 * len(data)).from_buffer(data) if isinstance(data, bytearray) else \
+            (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(L.llama_state_seq_set_data(self._ctx, buf, len(data), 0)) != len(data):
+            self.reset()
+            raise BackendError(f"llama.cpp could not restore a saved KV cache of {self.path.name}")
+        self.tokens.extend(tokens)
+
     @property
     def n_past(self) -> int:
         return len(self.tokens)

@@ -16,7 +16,8 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .drafters import NO_DRAFT, Draft, Round
-from .errors import BackendError, DamagedModelError, EdgespecError, EngineClosedError, UsageError
+from .errors import (BackendError, ContextLengthError, DamagedModelError, EdgespecError, EngineClosedError,
+                     UsageError)
 from .constraints import Guide, mask_logits, tokenizer_for
 from .request import Request, check_seed, check_text
 from .sampling import verify, verify_greedy, warp
@@ -29,6 +30,7 @@ class GenerationStats:
     drafter: str
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0   # prompt positions found in the KV cache from an earlier request
+    restored_prompt_tokens: int = 0  # ... of which came back from the prompt cache (an earlier conversation)
     generated: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -201,9 +203,10 @@ class Stream:
 class Engine:
     """A target model and one drafter. Use `Engine.load` to build one from GGUF files."""
 
-    def __init__(self, target, drafter=None):
+    def __init__(self, target, drafter=None, cache=None):
         """`target`: a backend (see backend.LlamaBackend); `drafter`: a `Drafter` or None
-        for plain decoding."""
+        for plain decoding; `cache`: a `promptcache.PromptCache` for conversations that come
+        back (None: only the last request's KV cache is kept)."""
         self.target = target
         self.drafter = drafter
         self.n_vocab = max(target.n_vocab, getattr(getattr(drafter, "model", drafter), "n_vocab", 0) or 0)
@@ -216,6 +219,8 @@ class Engine:
         self._closed = False
         self._readers = 0                    # threads tokenizing now (see _reading)
         self._prompt_row: Optional[tuple[tuple[int, ...], np.ndarray]] = None
+        self.cache = cache
+        self._restored = 0
 
     @property
     def mode(self) -> str:
@@ -223,20 +228,20 @@ class Engine:
 
     @classmethod
     def load(cls, target: Optional[str] = None, draft: Optional[str] = None, drafter: str = "auto", *,
-             n_gpu_layers: int = -1, draft_n_gpu_layers: int = -1, n_ctx: int = 4096,
-             threads: Optional[int] = None, gamma: int = 4, verbose: bool = False,
-             models_file: Optional[str] = None, memory_budget: Union[int, str, None] = None,
-             download: bool = True, calibrate: str = "auto", progress=None) -> "Engine":
+             download: bool = True, calibrate: str = "auto", progress=None, **settings) -> "Engine":
         """Load a target (GGUF path or models.toml pair name; None = the default pair) and its
-        drafter. `download=False` refuses to fetch missing files; `calibrate` is "auto"
-        (measure this device once, then use the cached figures), "now" (measure again) or
-        "never" (cached figures or cautious defaults that the engine corrects as it runs);
-        `progress` receives `progress.Progress` reports for downloads and calibration."""
+        drafter. `settings` are `assemble.Settings`' fields (n_ctx=4096, threads, n_gpu_layers=-1,
+        draft_n_gpu_layers=-1, gamma=4, memory_budget, cache_ram, models_file, verbose...).
+        `download=False` refuses to fetch missing files; `calibrate` is "auto" (measure this
+        device once, then use the cached figures), "now" (measure again) or "never" (cached
+        figures or cautious defaults that the engine corrects as it runs); `progress` receives
+        `progress.Progress` reports for downloads and calibration."""
         from .assemble import Settings, build
-        return build(Settings(target=target, draft=draft, drafter=drafter, n_gpu_layers=n_gpu_layers,
-                              draft_n_gpu_layers=draft_n_gpu_layers, n_ctx=n_ctx, threads=threads,
-                              gamma=gamma, verbose=verbose, models_file=models_file,
-                              memory_budget=memory_budget),
+        known = Settings.__dataclass_fields__
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise UsageError(f"unknown setting {unknown[0]!r}; the settings are {', '.join(known)}")
+        return build(Settings(target=target, draft=draft, drafter=drafter, **settings),
                      download=download, calibrate=calibrate, progress=progress)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -251,6 +256,8 @@ class Engine:
             with self._work:
                 self.target.reset()
                 self._prompt_row = None
+                if self.cache is not None:
+                    self.cache.clear()
                 if self.drafter is not None:
                     self.drafter.reset()
 
@@ -371,10 +378,11 @@ class Engine:
             raise UsageError(f"the prompt is {nbytes:,} bytes, more than {n_ctx} tokens of this model can hold: "
                              "shorten it or raise --ctx")
 
-    def prompt_tokens(self, prompt: Union[str, Sequence[int]]) -> list[int]:
-        """The token ids `stream` would generate from, checked against the context (UsageError):
-        a text tokenized verbatim (BOS added, special tokens parsed), or token ids as they are.
-        Safe to call from any thread, also while another request generates."""
+    def prompt_tokens(self, prompt: Union[str, Sequence[int]], *, room: int = 1) -> list[int]:
+        """The token ids `stream` would generate from, checked against the context with `room`
+        tokens left for the answer (ContextLengthError): a text tokenized verbatim (BOS added,
+        special tokens parsed), or token ids as they are. Safe to call from any thread, also
+        while another request generates."""
         if isinstance(prompt, str):
             _check_text("the prompt", prompt)
             self._check_size(prompt)
@@ -385,16 +393,38 @@ class Engine:
                 raise UsageError(f"prompt token ids must be in 0..{self.target.n_vocab - 1}")
         else:
             raise UsageError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        return self._fits(tokens)
+        return self._fits(tokens, room)
 
-    def _fits(self, tokens: list[int]) -> list[int]:
+    def _fits(self, tokens: list[int], room: int = 1, what: str = "the prompt") -> list[int]:
         n_ctx = self.target.n_ctx
         if not tokens:
             raise UsageError("the prompt is empty after tokenization")
-        if len(tokens) >= n_ctx:
-            raise UsageError(f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}: "
-                             "raise --ctx or shorten the prompt")
+        room = max(1, room)
+        if len(tokens) + room > n_ctx:
+            answer = f" and its answer may take {room}" if room > 1 else ""
+            raise ContextLengthError(f"{what} is {len(tokens)} tokens{answer}, but the context holds {n_ctx}: "
+                                     "raise --ctx or shorten it", prompt_tokens=len(tokens), n_ctx=n_ctx, room=room)
         return tokens
+
+    def conversation_tokens(self, messages, *, room: int = 1, overflow: str = "error") -> tuple[list[int], int]:
+        """`chat_tokens` with `room` tokens left for the answer; a conversation that does not
+        fit raises ContextLengthError, or with overflow="drop-oldest" loses its oldest turns
+        (system messages stay, the last message too) until it fits. Returns (tokens, how many
+        messages were dropped)."""
+        if overflow not in ("error", "drop-oldest"):
+            raise UsageError(f"overflow must be 'error' or 'drop-oldest', got {overflow!r}")
+        messages = list(messages)
+        dropped = 0
+        while True:
+            try:
+                tokens = self.chat_tokens(messages)
+                return self._fits(tokens, room, "the conversation"), dropped
+            except ContextLengthError:
+                keep = [i for i, m in enumerate(messages) if m.get("role") != "system"]
+                if overflow == "error" or len(keep) <= 1:
+                    raise
+                del messages[keep[0]]
+                dropped += 1
 
     def chat_tokens(self, messages) -> list[int]:
         """The prompt tokens for a conversation, checked against the context (UsageError).
@@ -418,7 +448,7 @@ class Engine:
                     tokens += t.tokenize(piece, add_bos=False, special=not is_content)
             if len(tokens) > 1 and tokens[0] == tokens[1] == t.bos:
                 tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
-        return self._fits(tokens)
+        return self._fits(tokens, 1, "the conversation")
 
     # -- generation -----------------------------------------------------------------------
     # Options (or one `request=Request.build(...)`): max_tokens=128, temperature=0.0, top_k=0,
@@ -502,9 +532,11 @@ class Engine:
         repeat of the last prompt reuses that row, so it takes the same path as the first time
         (re-evaluating the last token alone would round differently)."""
         target = self.target
+        restored = self._switch_slot(tokens)
         saved = self._prompt_row
         if (saved is not None and saved[0] == tuple(tokens) and target.n_past >= len(tokens)
                 and target.tokens[:len(tokens)] == tokens and target.truncate(len(tokens))):
+            self._restored = len(tokens) if restored else 0
             return saved[1], len(tokens)
         self._prompt_row = None
         # the whole rest of the prompt in one batch, as plain llama.cpp decoding does (a
@@ -513,7 +545,52 @@ class Engine:
         row = target.eval(tokens[kept:], [len(tokens) - kept - 1])
         self._check_finite(row)
         self._prompt_row = (tuple(tokens), row)
+        self._restored = kept if restored else 0
         return row, kept
+
+    # -- conversations that come back (promptcache.py) -------------------------------------
+    def _draft_backend(self):
+        d = self.drafter
+        model = d if getattr(d, "name", None) == "model" else getattr(d, "model", None)
+        return getattr(model, "backend", None)
+
+    def _switch_slot(self, tokens: list[int]) -> bool:
+        """Before a prompt is evaluated: keep the conversation in the context if the prompt
+        continues it; otherwise save it to the prompt cache (when the prompt would throw much of
+        it away) and restore the saved conversation the prompt continues best. True when a
+        saved conversation was restored."""
+        from .promptcache import MIN_TOKENS, common_prefix
+        cache, target = self.cache, self.target
+        if cache is None or cache.capacity <= 0 or not hasattr(target, "save_state"):
+            return False
+        head = tokens[:-1]  # the last prompt token is always evaluated (its row is needed)
+        live = common_prefix(target.tokens, head)
+        slot, n = cache.best(head)
+        restore = slot is not None and n > live
+        if restore:
+            cache.take(slot)  # before saving the live slot could evict it
+        if target.n_past - live >= MIN_TOKENS or (restore and target.n_past >= MIN_TOKENS):
+            cache.put(self._save_slot())
+        if restore:
+            self._load_slot(slot)
+        return restore
+
+    def _save_slot(self):
+        from .promptcache import Slot
+        toks, data = self.target.save_state()
+        draft = self._draft_backend()
+        dstate = draft.save_state() if draft is not None and draft.n_past > 0 else None
+        return Slot(toks, data, dstate, self._prompt_row)
+
+    def _load_slot(self, slot) -> None:
+        self.target.load_state(slot.tokens, slot.target)
+        draft = self._draft_backend()
+        if draft is not None:
+            if slot.draft is not None:
+                draft.load_state(*slot.draft)
+            else:
+                draft.reset()
+        self._prompt_row = slot.prompt_row
 
     def _check_finite(self, logits: np.ndarray) -> None:
         if len(logits) and not np.isfinite(logits.max(axis=1)).all():
@@ -533,7 +610,9 @@ class Engine:
         rng = _rng(request.seed)
         tokens = list(prompt_tokens)
         t0 = time.perf_counter()
+        self._restored = 0
         carry, stats.reused_prompt_tokens = self._prefill(tokens)
+        stats.restored_prompt_tokens = self._restored
         stats.target_forwards += 1
         if drafter is not None:
             drafter.begin(tokens)

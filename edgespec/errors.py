@@ -47,6 +47,14 @@ class ChecksumError(DownloadError):
     """A downloaded file did not match its sha256; nothing of it was kept."""
 
 
+class ContextLengthError(UsageError):
+    """A prompt (and the room asked for its answer) longer than the context holds."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, n_ctx: int, room: int = 1):
+        super().__init__(message)
+        self.prompt_tokens, self.n_ctx, self.room = prompt_tokens, n_ctx, room
+
+
 class EngineClosedError(UsageError):
     """A method was called on an Engine after close()."""
 

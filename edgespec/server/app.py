@@ -26,7 +26,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ..errors import EdgespecError, UsageError
+from ..errors import ContextLengthError, EdgespecError, UsageError
 from . import worker
 from .guard import Guard, HostRule
 from .schemas import ApiError, ChatRequest, CompletionRequest, Envelope, error_body
@@ -43,7 +43,7 @@ SHUTDOWN_GRACE_SECONDS = 2.0
 
 def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str] = None,
                cors_origins: Sequence[str] = (), hosts: Optional[HostRule] = None,
-               queue_size: int = 8, on_ready: Optional[Callable[[], None]] = None,
+               queue_size: int = 8, context_overflow: str = "error", on_ready: Optional[Callable[[], None]] = None,
                on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
     """`load()` builds the Engine (it runs on the engine thread once the server listens);
     `on_ready` / `on_load_error` tell the caller how that went. `hosts`: the Host header values
@@ -162,16 +162,20 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         s = scheduler()
         messages = body.engine_messages()
         req = body.engine_request(_n_ctx(s))
-        tokens, guide = await _prepare(s.engine, lambda: s.engine.chat_tokens(messages), req)
-        return await _answer(s, request, Envelope("chat", model_id), body,
-                             lambda engine: engine.stream(tokens, req))
+        room = body.requested_tokens() or 1
+        (tokens, dropped), guide = await _prepare(s.engine, lambda: s.engine.conversation_tokens(
+            messages, room=room, overflow=context_overflow), req)
+        env = Envelope("chat", model_id)
+        env.dropped_messages = dropped
+        return await _answer(s, request, env, body, lambda engine: engine.stream(tokens, req))
 
     @v1.post("/completions")
     async def completions(request: Request, body: CompletionRequest = Depends(_json(CompletionRequest))):
         s = scheduler()
         prompt = body.engine_prompt()
         req = body.engine_request(_n_ctx(s))
-        tokens, guide = await _prepare(s.engine, lambda: s.engine.prompt_tokens(prompt), req)
+        room = body.requested_tokens() or 1
+        tokens, guide = await _prepare(s.engine, lambda: s.engine.prompt_tokens(prompt, room=room), req)
         return await _answer(s, request, Envelope("text", model_id), body,
                              lambda engine: engine.stream(tokens, req))
 
@@ -264,6 +268,8 @@ async def _collect(job: worker.Job) -> tuple[str, tuple]:
 
 
 def _failure(exc: BaseException) -> ApiError:
+    if isinstance(exc, ContextLengthError):  # OpenAI's code, which clients act on (trim, summarise)
+        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
     if isinstance(exc, UsageError):  # prompt too long for the context, bad token ids, template failure
         return ApiError(400, str(exc))
     if isinstance(exc, EdgespecError):

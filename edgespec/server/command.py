@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also accept requests whose Host header is NAME or NAME:PORT (a name this machine "
                    "has on the network, or a proxy's); repeatable, '*' for any. By default only 127.0.0.1, "
                    "localhost, [::1] and the --host address are accepted, which keeps DNS-rebinding pages out")
+    p.add_argument("--cache-ram", default=None, metavar="SIZE",
+                   help="host RAM for the KV caches of conversations that may come back (e.g. 512MiB; 0 = off): "
+                   "a chat that returns after another one skips the prefill of what it had. Default: a tenth "
+                   "of --memory-budget or of the free RAM, at most 1 GiB")
+    p.add_argument("--context-overflow", choices=("error", "drop-oldest"), default="error",
+                   help="a conversation longer than the context: 400 context_length_exceeded (default), or "
+                   "drop-oldest: keep the system message and drop the oldest turns until it fits")
     p.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE, metavar="N",
                    help=f"requests that may wait while one is answered; beyond that, 503 (default {DEFAULT_QUEUE})")
 
@@ -119,7 +126,7 @@ def _stopped(signum, frame):
 
 def cmd_serve(args) -> int:
     from ..cli import ProgressBar, notice, settings_from_args
-    settings = settings_from_args(args)  # every flag checked before anything binds or loads
+    settings = settings_from_args(args, cache_ram=args.cache_ram)  # every flag checked before anything binds
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.queue_size < 0:
@@ -151,7 +158,9 @@ def cmd_serve(args) -> int:
     if not is_loopback(args.host) and not args.api_key:
         notice(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
                "machine can use the model")
-    notice(f"listening on http://{shown}:{port} (loading {name}; /health says 503 until ready)")
+    cache = settings.cache_bytes()
+    notice(f"listening on http://{shown}:{port} (loading {name}; /health says 503 until ready); prompt cache "
+           + (f"{cache / 2**20:,.0f} MiB of host RAM (--cache-ram)" if cache else "off"))
 
     failed: list[BaseException] = []
     server = None
@@ -167,6 +176,7 @@ def cmd_serve(args) -> int:
                      any_address=args.host in ("0.0.0.0", "::", "[::]", ""))
     app = create_app(lambda: build(settings, progress=ProgressBar()), model_id=name, api_key=args.api_key,
                      cors_origins=args.cors_origin, hosts=hosts, queue_size=args.queue_size,
+                     context_overflow=args.context_overflow,
                      on_ready=on_ready, on_load_error=on_load_error)
     config = uvicorn.Config(app, log_level="info" if args.verbose else "warning", access_log=args.verbose,
                             lifespan="on", timeout_graceful_shutdown=5)

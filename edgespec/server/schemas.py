@@ -179,6 +179,10 @@ class _Generation(_Body):
     def _limit_name(self) -> str:
         return "max_tokens"
 
+    def requested_tokens(self) -> Optional[int]:
+        """The answer's length limit when the client set one (the room the prompt must leave)."""
+        return self._limit()
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -272,7 +276,8 @@ def speculation(stats, reason: str) -> dict:
     """The `edgespec` extension field: what speculation did for this request."""
     return {"drafter": stats.drafter, "drafted": stats.drafted, "accepted": stats.accepted,
             "acceptance_rate": round(stats.acceptance_rate, 4), "target_forwards": stats.target_forwards,
-            "reused_prompt_tokens": stats.reused_prompt_tokens, "by_drafter": stats.by_drafter,
+            "reused_prompt_tokens": stats.reused_prompt_tokens,
+            "restored_prompt_tokens": stats.restored_prompt_tokens, "by_drafter": stats.by_drafter,
             "prompt_seconds": round(stats.prompt_seconds, 4), "decode_seconds": round(stats.decode_seconds, 4),
             "tokens_per_second": round(stats.tokens_per_second, 2), "finish_reason": reason}
 
@@ -281,6 +286,7 @@ class Envelope:
     """id, object, created and model, shared by every chunk of one response."""
 
     def __init__(self, kind: str, model: str):
+        self.dropped_messages = 0  # --context-overflow drop-oldest: turns left out of the prompt
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -295,7 +301,13 @@ class Envelope:
                   else {"index": 0, "text": text})
         choice.update(logprobs=None, finish_reason=finish_reason(reason))
         return {**self._head(False), "choices": [choice], "usage": usage(stats),
-                "edgespec": speculation(stats, reason)}
+                "edgespec": self._extension(stats, reason)}
+
+    def _extension(self, stats, reason: str) -> dict:
+        out = speculation(stats, reason)
+        if self.dropped_messages:
+            out["dropped_messages"] = self.dropped_messages
+        return out
 
     def chunk(self, text: Optional[str], *, role: bool = False, reason: Optional[str] = None) -> dict:
         if self.chat:
@@ -312,7 +324,7 @@ class Envelope:
 
     def last(self, stats, reason: str) -> dict:
         out = self.chunk(None if self.chat else "", reason=reason)
-        out["edgespec"] = speculation(stats, reason)
+        out["edgespec"] = self._extension(stats, reason)
         return out
 
     def usage_chunk(self, stats) -> dict:

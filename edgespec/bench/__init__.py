@@ -9,6 +9,10 @@ With a calibrated target it also reports, per prompt, the prompt-lookup ceiling:
 speed-up that the n-gram drafter would give if every round's draft length were chosen
 knowing the output in advance (costs from the calibration). No policy can beat it.
 Writes JSON and prints a table.
+
+`--kinds structured` runs the structured-output benchmark instead (`bench/structured.py`):
+JSON answers under a schema with auto, none and llama-cpp-python's grammar path against plain
+unconstrained decoding; validity, forced / copied / sampled shares and the hindsight ceiling.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from .report import format_table, plot, summarize
 from .workloads import default_workloads, load_workloads
 
 MODES = ("auto", "model", "ngram", "lookup-peer")
+STRUCTURED = "structured"  # the kind that runs bench/structured.py
+STRUCTURED_TOKENS = 512    # its default answer budget: a JSON answer cut short is invalid
 
 
 @dataclass(frozen=True)
@@ -42,14 +48,22 @@ class Options:
     acceptance: bool = False
     out: str = "bench-results/bench.json"
 
+    @property
+    def structured(self) -> bool:
+        return STRUCTURED in (self.kinds or "").split(",")
+
     def validate(self) -> "Options":
         if self.bench_tokens < 1 or self.trials < 1:
             raise UsageError("--bench-tokens and --trials must be >= 1")
         if self.limit is not None and self.limit < 1:
             raise UsageError("--limit must be >= 1")
-        bad = [m for m in self.modes if m not in MODES]
+        if self.structured and self.kinds != STRUCTURED:
+            raise UsageError(f"--kinds {STRUCTURED} runs on its own (its prompts carry schemas); "
+                             f"got --kinds {self.kinds}")
+        allowed = _structured_modes() if self.structured else MODES
+        bad = [m for m in self.modes if m not in allowed]
         if bad:
-            raise UsageError(f"unknown bench mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
+            raise UsageError(f"unknown bench mode(s) {', '.join(bad)}; choose from {', '.join(allowed)}")
         if any(not 1 <= g <= 32 for g in self.sweep):
             raise UsageError(f"--sweep draft lengths must be in 1..32, got {list(self.sweep)}")
         return self
@@ -60,11 +74,13 @@ def add_arguments(p) -> None:
                    help="JSONL of {id, kind, prompt} (default: the workloads shipped with edgespec)")
     p.add_argument("--kinds", default=None, metavar="K1,K2", help="only these kinds")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per kind")
-    p.add_argument("--bench-tokens", type=int, default=128, metavar="N", help="tokens per generation (default 128)")
+    p.add_argument("--bench-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens per generation (default 128; {STRUCTURED_TOKENS} for --kinds {STRUCTURED})")
     p.add_argument("--trials", type=int, default=1, metavar="N", help="timed repetitions per prompt (default 1)")
-    p.add_argument("--modes", default="auto", metavar="M1,M2",
+    p.add_argument("--modes", default=None, metavar="M1,M2",
                    help="what to compare with plain decoding: " + ", ".join(MODES) + " (default auto); "
-                   "lookup-peer is llama-cpp-python's own LlamaPromptLookupDecoding")
+                   "lookup-peer is llama-cpp-python's own LlamaPromptLookupDecoding; with --kinds "
+                   f"{STRUCTURED}: " + ", ".join(_structured_modes()) + " (default all three)")
     p.add_argument("--sweep", default=None, metavar="G1,G2",
                    help="also run the n-gram drafter at these fixed draft lengths (for the chart)")
     p.add_argument("--acceptance", action="store_true",
@@ -78,9 +94,17 @@ def options_from_args(args) -> Options:
         sweep = tuple(int(g) for g in args.sweep.split(",")) if args.sweep else ()
     except ValueError:
         raise UsageError(f"--sweep takes draft lengths like 1,2,4,8, got {args.sweep!r}") from None
-    return Options(workloads=args.workloads, kinds=args.kinds, limit=args.limit, bench_tokens=args.bench_tokens,
-                   trials=args.trials, modes=tuple(m for m in (args.modes or "").split(",") if m), sweep=sweep,
+    structured = STRUCTURED in (args.kinds or "").split(",")
+    modes = args.modes if args.modes is not None else ",".join(_structured_modes()) if structured else "auto"
+    tokens = args.bench_tokens if args.bench_tokens is not None else STRUCTURED_TOKENS if structured else 128
+    return Options(workloads=args.workloads, kinds=args.kinds, limit=args.limit, bench_tokens=tokens,
+                   trials=args.trials, modes=tuple(m for m in modes.split(",") if m), sweep=sweep,
                    acceptance=args.acceptance, out=args.out).validate()
+
+
+def _structured_modes() -> tuple[str, ...]:
+    from .structured import MODES as modes
+    return modes
 
 
 def _run(engine, prompt_tokens, n, params, seed=None):
@@ -161,6 +185,9 @@ def main(settings, opts: Options, progress=None) -> int:
     from ..assemble import build
     from ..engine import Engine
 
+    if opts.structured:
+        from . import structured
+        return structured.main(settings, opts, progress)
     items = load_workloads(opts.workloads or str(default_workloads()), opts.kinds, opts.limit)
     if settings.memory_budget is not None:
         from .memory import memory_bench

@@ -48,6 +48,10 @@ ALIGNED_PRIOR = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93, 0.95, 0.95, 0.95)
 # similar functions) break far sooner than copies of a prompt passage: measured on the
 # workloads, after 2 agreeing tokens 4 more agree 0.1 of the time there, 0.5 in the prompt.
 GENERATED_PRIOR = (0.1, 0.25, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.93, 0.95, 0.95)
+# Fresh prompt-lookup hits under a constraint, cut at their first forbidden token: inside a JSON
+# string an extraction quotes its prompt, and such hits continue far more often (measured on the
+# structured workloads, Qwen 1.5B: 0.74 0.78 0.93 0.86 0.9 1.0 ... per token); set below that.
+QUOTED_PRIOR = (0.6, 0.7, 0.8, 0.8, 0.85, 0.85, 0.9, 0.93, 0.95, 0.95, 0.95)
 PRIOR_WEIGHT = 4.0
 ALIGNED_SHIFT = 0.3   # how fast the aligned priors follow the evidence together (CopyAcceptance)
 SHIFT_MAX = 3.0
@@ -421,6 +425,7 @@ class Offer(NamedTuple):
     state: str = "fresh"   # "fresh" (a lookup hit) or "aligned" (an established copy)
     risk: tuple[float, ...] = ()  # per token: the chance an edit begins there (from earlier edits)
     in_prompt: bool = True  # the source lies in the prompt (not in text this answer generated)
+    constrained: bool = False  # under an output constraint, already cut at its first forbidden token
 
 
 @dataclass(frozen=True)
@@ -509,18 +514,23 @@ class Policy:
         self.ngram = CopyAcceptance()
         self.aligned = CopyAcceptance(prior=ALIGNED_PRIOR, shift_rate=ALIGNED_SHIFT)
         self.generated = CopyAcceptance(prior=GENERATED_PRIOR)
+        self.quoted = CopyAcceptance(prior=QUOTED_PRIOR)
         self.model = Acceptance(prior=self.model_prior)
 
-    def table(self, state: str, in_prompt: bool = True) -> CopyAcceptance:
+    def table(self, state: str, in_prompt: bool = True, constrained: bool = False) -> CopyAcceptance:
         """Acceptance of copies of the prompt, fresh hits or aligned; copies of the answer's
-        own text, fresh or aligned, share one table."""
+        own text, fresh or aligned, share one table; fresh hits in the prompt under a
+        constraint (a value quoted from it) have their own."""
         if not in_prompt:
             return self.generated
-        return self.aligned if state == "aligned" else self.ngram
+        if state == "aligned":
+            return self.aligned
+        return self.quoted if constrained else self.ngram
 
     # -- learning -------------------------------------------------------------------------------
-    def copy_outcome(self, state: str, run: int, matched: int, compared: int, in_prompt: bool = True) -> None:
-        self.table(state, in_prompt).update(run, matched, compared)
+    def copy_outcome(self, state: str, run: int, matched: int, compared: int, in_prompt: bool = True,
+                     constrained: bool = False) -> None:
+        self.table(state, in_prompt, constrained).update(run, matched, compared)
 
     def model_outcome(self, matched: int, compared: int) -> None:
         self.model.update(matched, compared)
@@ -542,9 +552,11 @@ class Policy:
         if offer and room > 0:
             offer = Offer(*offer)
             scored = self.ngram.rounds + self.aligned.rounds + self.generated.rounds
-            if offer.state == "aligned" or scored >= MIN_OBSERVATIONS:
+            # a quoted value's prior is a measurement under constraints: no need to wait for scores
+            quoted = offer.constrained and offer.in_prompt
+            if offer.state == "aligned" or quoted or scored >= MIN_OBSERVATIONS:
                 n = min(offer.available, room, self.max_gamma)
-                surv = self.table(offer.state, offer.in_prompt).survival(offer.run, n, CAUTION)
+                surv = self.table(offer.state, offer.in_prompt, offer.constrained).survival(offer.run, n, CAUTION)
                 if offer.risk:  # a place where this generation made edits before: likely another
                     keep = 1.0
                     for i, r in enumerate(offer.risk[:n]):

@@ -250,3 +250,16 @@ def test_rows_are_re_tested_with_the_cheapest_drafter_and_the_draft_model_now_an
     model_tests = [i for i, d in tests if d == "model"]
     assert 1 <= len(model_tests) <= 8, tests
     assert all(b - a > 16 for a, b in zip(model_tests, model_tests[1:])), tests
+
+
+def test_a_draft_is_priced_by_what_it_adds_to_the_pass_made_anyway():
+    from edgespec.policy import best_saving
+    costs = Costs((0.03, 0.06, 0.09, 0.10, 0.11, 0.12))  # rows dear up to 3, cheap after
+    assert costs.pass_cost(1, 1) == costs.verify_cost(1)
+    assert costs.verify_cost(1) < costs.pass_cost(4, 1) < costs.verify_cost(4)  # fed tokens without rows
+    surv = [0.8, 0.64]
+    g, saved = best_saving(costs, surv)
+    assert saved < 0  # alone, two rows cost more than the 1.44 tokens they bring
+    # riding in a pass that already feeds three forced tokens, the same draft pays
+    g2, saved2 = best_saving(costs, surv, base=(4, 1))
+    assert saved2 > 0 and saved2 > saved

@@ -196,3 +196,18 @@ def test_copy_ceiling_is_the_hindsight_best_schedule():
     assert copy_ceiling(linear, prompt, out) == pytest.approx(1.0)      # drafting never pays
     novel = [99, 98, 97, 96]
     assert copy_ceiling(free_rows, prompt, novel) == pytest.approx(1.0)  # nothing to copy
+
+
+def test_a_value_quoted_from_the_prompt_is_drafted_under_a_constraint_at_once():
+    # a fresh prompt hit of two tokens, before any copy was scored: the unconstrained prior is
+    # too low to draft it; inside a JSON string (cut at its first forbidden token) it is drafted
+    verify = (0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.10)
+    p = Policy(Costs(verify))
+    assert p.choose(Offer(2, 6, "fresh"), room=32).drafter == "none"
+    c = p.choose(Offer(2, 6, "fresh", (), True, True), room=32)
+    assert c.drafter == "ngram" and c.gamma >= 2
+    # copies of the answer's own text are no quote: still not drafted
+    assert p.choose(Offer(2, 6, "fresh", (), False, True), room=32).drafter == "none"
+    # what such a hit teaches goes to its own table
+    p.copy_outcome("fresh", 2, 0, 3, True, constrained=True)
+    assert p.quoted.rounds == 1 and p.ngram.rounds == 0

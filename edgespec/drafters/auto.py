@@ -21,6 +21,8 @@ class AutoDrafter:
         self.copy = copy
         self.model = model
         self._lag = 1
+        self._committed = 0  # tokens committed at the last observe (begin: the prompt)
+        self._constrained = False  # the last proposal was made under a constraint
 
     @property
     def ngram(self) -> NgramDrafter:
@@ -29,6 +31,7 @@ class AutoDrafter:
     def begin(self, tokens: list[int]) -> None:
         # the draft model catches up on the prompt at its first draft, a cost the policy weighs
         self.copy.begin(tokens)
+        self._committed = len(tokens)
         if self.model is not None:
             self.model.begin(tokens)
 
@@ -36,24 +39,32 @@ class AutoDrafter:
         if room <= 0:
             return NO_DRAFT
         m = self.copy.match(tokens, min(room, self.policy.max_gamma))
-        offer = Offer(m.run, len(m.continuation), m.state, m.risk, m.in_prompt) if m.continuation else None
+        cont = m.continuation
+        if guide is not None and cont:  # judged as the engine will verify it: cut at its first forbidden token
+            cont = cont[:guide.legal_prefix(cont)]
+        self._constrained = guide is not None
+        offer = Offer(m.run, len(cont), m.state, m.risk, m.in_prompt, guide is not None) if cont else None
         self._lag = self._model_lag(tokens)
-        choice = self.policy.choose(offer, self.model is not None, room, self._lag)
+        # tokens past the committed ones are forced by the constraint: they ride in this round's
+        # pass (fed, their rows decided by the mask), and a draft adds to that pass
+        forced = max(0, len(tokens) - self._committed)
+        choice = self.policy.choose(offer, self.model is not None, room, self._lag, (1 + forced, 1))
         if choice.drafter in ("copy", "ngram"):
-            return Draft(m.continuation[:choice.gamma], None, choice.drafter)
+            return Draft(cont[:choice.gamma], None, choice.drafter)
         if choice.drafter == "model":
             return self.model.draft(tokens, choice.gamma, params, rng, guide)
         return NO_DRAFT
 
     def observe(self, round: Round) -> None:
         policy = self.policy
+        self._committed = len(round.tokens)
         if self.model is not None:
             self.model.observe(round)
         self.copy.observe(round)
         seen = self.copy.outcome(round.tokens)
         if seen is not None:  # scored whether or not it drafted this round: proposals cost nothing
             m, matched, compared = seen
-            policy.copy_outcome(m.state, m.run, matched, compared, m.in_prompt)
+            policy.copy_outcome(m.state, m.run, matched, compared, m.in_prompt, self._constrained)
         if round.draft.source == "model":
             policy.model_outcome(round.accepted, len(round.draft.tokens))
             policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds, self._lag)

@@ -31,14 +31,34 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def validate_messages(messages) -> list[dict]:
+    """Checked copies: string role and content (an assistant turn that only calls tools may have
+    none), a known role, and `tool` turns that answer a call made before them."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise UsageError("messages must be a non-empty list of {'role', 'content'} dicts")
+    out, calls = [], set()
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") is None:
+            m = dict(m, content="")
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise UsageError(f"message {i} must be a dict with string 'role' and 'content', got {_short(m)}")
         if m["role"] not in ROLES:
             raise UsageError(f"message {i} has role {_short(m['role'])}; a role is one of {', '.join(ROLES)}")
-    return [dict(m) for m in messages]
+        if m.get("tool_calls"):
+            if m["role"] != "assistant" or not isinstance(m["tool_calls"], (list, tuple)):
+                raise UsageError(f"message {i}: only assistant turns carry tool_calls (a list)")
+            for c in m["tool_calls"]:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise UsageError(f"message {i}: each tool call is {{'id', 'type': 'function', "
+                                     "'function': {'name', 'arguments'}}")
+                calls.add(c.get("id"))
+        if m["role"] == "tool":
+            cid = m.get("tool_call_id")
+            if cid not in calls:
+                raise UsageError(f"message {i} is a tool result for call {cid!r}, which no earlier assistant turn "
+                                 "made: give the tool_call_id of the call it answers")
+        out.append(dict(m))
+    return out
 
 
 def _short(value, limit: int = 80) -> str:
@@ -46,12 +66,13 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def render(template: str | None, messages, *, bos_token: str = "", eos_token: str = "") -> str:
-    """The prompt text for `messages`, ending where the assistant's answer starts."""
+def render(template: str | None, messages, *, bos_token: str = "", eos_token: str = "", **extra) -> str:
+    """The prompt text for `messages`, ending where the assistant's answer starts; `extra`:
+    more template variables (`tools`)."""
     messages = validate_messages(messages)
     try:
         return _compile(template or CHATML).render(messages=messages, add_generation_prompt=True,
-                                                   bos_token=bos_token, eos_token=eos_token)
+                                                   bos_token=bos_token, eos_token=eos_token, **extra)
     except Exception as exc:  # a template is a program: any error in it is the template's
         what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UsageError(f"the model's chat template failed ({type(exc).__name__}: {what}); "
@@ -64,7 +85,9 @@ def render_segments(template: str | None, messages, **tokens) -> list[tuple[str,
     messages = validate_messages(messages)
     nonce = secrets.token_hex(8)
     marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
-    text = render(template, [dict(m, content=mk) for m, mk in zip(messages, marks)], **tokens)
+    # an empty content stays empty (templates test it: an assistant turn that only calls tools)
+    text = render(template, [dict(m, content=mk if m["content"] else "") for m, mk in zip(messages, marks)],
+                  **tokens)
     pieces: list[tuple[str, bool]] = []
     for part in re.split(f"(\x00{nonce}:\\d+\x00)", text):
         if part.startswith(f"\x00{nonce}:"):

@@ -10,7 +10,7 @@ import codecs
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -21,6 +21,7 @@ from .errors import (BackendError, ContextLengthError, DamagedModelError, Edgesp
 from .constraints import Guide, mask_logits, tokenizer_for
 from .request import Request, check_seed, check_text
 from .sampling import verify, verify_greedy, warp
+from .tools import StreamParser
 
 FINISH_REASONS = ("eos", "length", "stop", "context", "cancelled")
 
@@ -79,10 +80,11 @@ class GenerationResult:
     text: str
     tokens: list[int]
     stats: GenerationStats
+    tool_calls: list = field(default_factory=list)  # tools.ToolCall: id, name, arguments (a dict)
 
     @property
     def finish_reason(self) -> str:
-        return self.stats.finish_reason
+        return "tool_calls" if self.tool_calls else self.stats.finish_reason
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class StreamEvent:
     token: Optional[int]          # None in the closing event
     from_draft: bool              # the token was a draft the target accepted
     finish_reason: Optional[str] = None  # set on the closing event only: why generation ended
+    tool_calls: Optional[list] = None    # the closing event of a request with tools: its calls
 
 
 _check_seed, _check_text = check_seed, check_text  # their old names
@@ -123,6 +126,14 @@ def _pad(rows: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    tokens: list[int]
+    request: "Request"
+    format: object = None      # tools.Format when the request had tools
+    dropped: int = 0           # messages left out (overflow="drop-oldest")
+
+
 class Stream:
     """One request's events, as they are committed. `stats` and `finish_reason` are the
     request's own; `cancel()` ends it within a round; `close()` gives the engine back."""
@@ -136,6 +147,9 @@ class Stream:
         self._cancel = threading.Event()
         self._outdated: Optional[EdgespecError] = None  # raised when resumed
         self._thread = threading.get_ident()
+        self._tools = None          # a tools.StreamParser when the request had tools
+        self._raw: list[str] = []   # the answer's text, markup included
+        self.tool_calls: list = []
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -164,6 +178,16 @@ class Stream:
                 raise
         if ev.token is not None:
             self.tokens.append(ev.token)
+        if self._tools is not None:  # markup held back; calls on the closing event
+            self._raw.append(ev.text)
+            shown = self._tools.feed(ev.text)
+            if ev.token is None:
+                rest, self.tool_calls = self._tools.finish()
+                shown += rest
+                ev = StreamEvent(shown, None, False, "tool_calls" if self.tool_calls else ev.finish_reason,
+                                 list(self.tool_calls))
+            else:
+                ev = StreamEvent(shown, ev.token, ev.from_draft)
         self._text.append(ev.text)
         return ev
 
@@ -171,7 +195,13 @@ class Stream:
         """Run the request to its end (if it has not ended) and return its result."""
         for _ in self:
             pass
-        return GenerationResult(self.text, list(self.tokens), self.stats)
+        text = self.text.strip() if self.tool_calls and not self.text.strip() else self.text
+        return GenerationResult(text, list(self.tokens), self.stats, list(self.tool_calls))
+
+    @property
+    def raw_text(self) -> str:
+        """The answer as the model wrote it (tool-call markup included)."""
+        return "".join(self._raw) if self._tools is not None else self.text
 
     def close(self) -> None:
         """Stop here; the engine serves the next request."""
@@ -406,7 +436,8 @@ class Engine:
                                      "raise --ctx or shorten it", prompt_tokens=len(tokens), n_ctx=n_ctx, room=room)
         return tokens
 
-    def conversation_tokens(self, messages, *, room: int = 1, overflow: str = "error") -> tuple[list[int], int]:
+    def conversation_tokens(self, messages, *, room: int = 1, overflow: str = "error", **extra
+                            ) -> tuple[list[int], int]:
         """`chat_tokens` with `room` tokens left for the answer; a conversation that does not
         fit raises ContextLengthError, or with overflow="drop-oldest" loses its oldest turns
         (system messages stay, the last message too) until it fits. Returns (tokens, how many
@@ -417,7 +448,7 @@ class Engine:
         dropped = 0
         while True:
             try:
-                tokens = self.chat_tokens(messages)
+                tokens = self.chat_tokens(messages, **extra)
                 return self._fits(tokens, room, "the conversation"), dropped
             except ContextLengthError:
                 keep = [i for i, m in enumerate(messages) if m.get("role") != "system"]
@@ -426,7 +457,35 @@ class Engine:
                 del messages[keep[0]]
                 dropped += 1
 
-    def chat_tokens(self, messages) -> list[int]:
+    def prepare_chat(self, messages, request: Optional[Request] = None, *, room: Optional[int] = None,
+                     overflow: str = "error") -> "ChatPrompt":
+        """Everything a chat request needs before it waits for the engine: the prompt tokens
+        (checked against the context with `room` tokens for the answer, default max_tokens; with
+        overflow="drop-oldest" the oldest turns go), and with tools the request constrained to the
+        model's own call format. Safe from any thread, as `prompt_tokens`."""
+        from .chat import validate_messages
+        from .tools import detect
+        request = request or Request()
+        messages = validate_messages(messages)  # before a format rewrites tool turns
+        fmt = None
+        if request.tools is not None or any(m.get("tool_calls") or m.get("role") == "tool"
+                                            for m in messages if isinstance(m, dict)):
+            with self._reading() as t:
+                fmt = detect(t.chat_template())
+            messages, extra = fmt.render_messages(list(messages), request.tools)
+            if request.tools is not None:
+                grammar = fmt.grammar(request.tools)
+                if grammar is not None:
+                    from .constraints import Constraint
+                    request = replace(request, constraint=Constraint.build(grammar=grammar))
+        else:
+            extra = {}
+        tokens, dropped = self.conversation_tokens(messages, room=request.max_tokens if room is None else room,
+                                                   overflow=overflow, **extra)
+        calls = request.tools is not None and request.tools.choice != "none"  # none: text only, never parsed
+        return ChatPrompt(tokens, request, fmt if calls else None, dropped)
+
+    def chat_tokens(self, messages, **extra) -> list[int]:
         """The prompt tokens for a conversation, checked against the context (UsageError).
         Message contents are tokenized as text: a message holding "<|im_end|>" cannot close
         its turn; only the template's own markers are control tokens. Roles must be system,
@@ -434,7 +493,7 @@ class Engine:
         from .chat import render, render_segments, validate_messages
         messages = validate_messages(messages)
         with self._reading() as t:
-            template, kw = t.chat_template(), self._template_tokens()
+            template, kw = t.chat_template(), dict(self._template_tokens(), **extra)
             text = render(template, messages, **kw)
             self._check_size(text)
             # usually no message holds control-token text, and the prompt is tokenized whole
@@ -461,14 +520,25 @@ class Engine:
             return s.result()
 
     def chat(self, messages, request: Optional[Request] = None, **options) -> GenerationResult:
-        """`generate` for a conversation, through the target's chat template."""
+        """`generate` for a conversation, through the target's chat template. With `tools`
+        (OpenAI's list of functions) and `tool_choice` the answer may call them, in the model's
+        own format: `result.tool_calls` (id, name, arguments as a dict), `result.text` the rest."""
         with self.stream_chat(messages, request, **options) as s:
             return s.result()
 
     def stream_chat(self, messages, request: Optional[Request] = None, **options) -> Stream:
-        """`stream` for a conversation, through the target's chat template."""
+        """`stream` for a conversation, through the target's chat template. With tools, call
+        markup never reaches the events' text; the closing event carries `tool_calls`."""
         request = Request.of(request, options)
-        return self.stream(self.chat_tokens(messages), request)
+        return self.stream_prompt(self.prepare_chat(messages, request, room=1))
+
+    def stream_prompt(self, prompt: "ChatPrompt") -> Stream:
+        """`stream` for a conversation `prepare_chat` made ready (a server does that off its
+        engine thread)."""
+        stream = self.stream(prompt.tokens, prompt.request)
+        if prompt.format is not None:
+            stream._tools = StreamParser(prompt.format, prompt.request.tools)
+        return stream
 
     def stream(self, prompt: Union[str, Sequence[int]], request: Optional[Request] = None, **options) -> Stream:
         """Yield tokens as they are committed, with the text each makes printable.

@@ -11,9 +11,10 @@ import numpy as np
 from .constraints import Constraint
 from .errors import UsageError
 from .sampling import SamplingParams
+from .tools import ToolSpec
 
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "json_schema", "regex",
-           "grammar")
+           "grammar", "tools", "tool_choice", "parallel_tool_calls")
 
 
 def check_seed(seed) -> None:
@@ -54,18 +55,26 @@ class Request:
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     constraint: Optional[Constraint] = None
+    tools: Optional[ToolSpec] = None  # chat only: the functions the answer may call
 
     @classmethod
     def build(cls, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               min_p: float = 0.0, seed: Optional[int] = None, stop: Union[str, Sequence[str]] = (),
               json_schema: Union[dict, str, None] = None, regex: Optional[str] = None,
-              grammar: Optional[str] = None) -> "Request":
+              grammar: Optional[str] = None, tools=None, tool_choice=None,
+              parallel_tool_calls: Optional[bool] = None) -> "Request":
         """Every option checked (UsageError naming it). `json_schema` (a dict or JSON text),
-        `regex` or `grammar` (Lark, llguidance's syntax, or llama.cpp GBNF): at most one."""
+        `regex` or `grammar` (Lark, llguidance's syntax, or llama.cpp GBNF): at most one.
+        `tools`, `tool_choice` ("auto", "none", "required" or {"type": "function", "function":
+        {"name"}}), `parallel_tool_calls`: as OpenAI's; not with another constraint."""
         params = SamplingParams(temperature, top_k, top_p, min_p)
         check_seed(seed)
+        spec = ToolSpec.build(tools, tool_choice, parallel_tool_calls)
+        constraint = Constraint.build(json_schema, regex, grammar)
+        if spec is not None and constraint is not None:
+            raise UsageError("give tools or a json_schema/regex/grammar, not both")
         return cls(params, check_max_tokens(max_tokens), None if seed is None else int(seed), check_stop(stop),
-                   Constraint.build(json_schema, regex, grammar))
+                   constraint, spec)
 
     @classmethod
     def of(cls, request: Optional["Request"], options: dict) -> "Request":

@@ -163,11 +163,11 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         messages = body.engine_messages()
         req = body.engine_request(_n_ctx(s))
         room = body.requested_tokens() or 1
-        (tokens, dropped), guide = await _prepare(s.engine, lambda: s.engine.conversation_tokens(
-            messages, room=room, overflow=context_overflow), req)
+        prompt, guide = await _prepare(s.engine, lambda: s.engine.prepare_chat(
+            messages, req, room=room, overflow=context_overflow), None)
         env = Envelope("chat", model_id)
-        env.dropped_messages = dropped
-        return await _answer(s, request, env, body, lambda engine: engine.stream(tokens, req))
+        env.dropped_messages = prompt.dropped
+        return await _answer(s, request, env, body, lambda engine: engine.stream_prompt(prompt))
 
     @v1.post("/completions")
     async def completions(request: Request, body: CompletionRequest = Depends(_json(CompletionRequest))):
@@ -189,7 +189,8 @@ async def _prepare(engine, tokenize: Callable[[], list], req) -> tuple[list, Any
     worker thread, not the engine's (which generates meanwhile) nor the event loop: the queue
     only ever holds work that fits."""
     def work():
-        return tokenize(), engine.guide(req)
+        out = tokenize()
+        return out, engine.guide(req if req is not None else out.request)
     try:
         return await anyio.to_thread.run_sync(work)
     except EdgespecError as exc:
@@ -314,10 +315,10 @@ async def _answer(s: worker.Scheduler, request: Request, env: Envelope, body, op
         text, (kind, value) = await _unless_gone(request, job, _collect(job))
         if kind == worker.ERROR:
             raise _failure(value)
-        stats, reason = value
+        stats, reason, calls = value
         if reason == "cancelled":
             raise _cancelled()
-        return JSONResponse(env.whole(text, stats, reason))
+        return JSONResponse(env.whole(text.strip() if calls else text, stats, reason, calls))
     except _ClientGone:
         return Response(status_code=204)  # nobody reads it
     finally:
@@ -342,9 +343,11 @@ async def _events(job: worker.Job, env: Envelope, include_usage: bool, watcher: 
                 yield _dumps(env.chunk(value))
                 continue
             if kind == worker.END:
-                stats, reason = value
+                stats, reason, calls = value
                 if reason != "cancelled":
-                    yield _dumps(env.last(stats, reason))
+                    for chunk in env.tool_call_chunks(calls):
+                        yield _dumps(chunk)
+                    yield _dumps(env.last(stats, reason, calls))
                     if include_usage:
                         yield _dumps(env.usage_chunk(stats))
                     break

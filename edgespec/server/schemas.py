@@ -56,7 +56,6 @@ class StreamOptions(_Body):
 # that asked for something gets it or an error, never an answer to another question.
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-    "parallel_tool_calls",   # only means something with tools
     "cache_prompt", "id_slot",  # llama.cpp server's: prefix reuse, which this server always does
 })
 
@@ -67,9 +66,9 @@ def _off(value) -> bool:
 
 NEUTRAL = {  # field -> is this value the one that changes nothing
     "frequency_penalty": _off, "presence_penalty": _off, "logit_bias": _off,
-    "tools": _off, "functions": _off, "audio": _off, "prediction": _off, "web_search_options": _off,
+    "functions": _off, "audio": _off, "prediction": _off, "web_search_options": _off,
     "reasoning_effort": _off, "verbosity": _off,
-    "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),  # the old names of tools and tool_choice
     "modalities": lambda v: v in (None, ["text"]),
     # llama.cpp server's sampling fields, which its clients send
     "repeat_penalty": lambda v: v in (None, 1, 1.0), "typical_p": lambda v: v in (None, 1, 1.0),
@@ -168,11 +167,20 @@ class _Generation(_Body):
         if limit is not None and limit < 1:
             raise ApiError(400, f"max_tokens must be >= 1, got {limit}", param=self._limit_name())
         constraint, field = self.constraint()
+        tools = self.tool_options() if hasattr(self, "tool_options") else {}
+        if tools.get("tools") and constraint:
+            raise ApiError(400, f"give tools or {field}, not both", param=field)
+        if tools.get("tools") or tools.get("tool_choice") not in (None, "none", "auto"):
+            from ..tools import ToolSpec
+            try:
+                ToolSpec.build(**tools)
+            except UsageError as exc:
+                raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
         try:
             # no limit: until the end of the answer or of the context, as OpenAI does
             return Request.build(**sampling, max_tokens=n_ctx if limit is None else limit, seed=self.seed,
                                  stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
-                                 **constraint)
+                                 **constraint, **tools)
         except UsageError as exc:  # a schema or grammar llguidance refuses, a bad stop string
             raise ApiError(400, str(exc), param=field or "stop") from None
 
@@ -196,11 +204,19 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[dict]] = None   # an assistant turn's calls
+    tool_call_id: Optional[str] = None        # a tool turn: the call it answers
 
 
 class ChatRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None  # the newer name of max_tokens
+    tools: Optional[list[dict]] = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def tool_options(self) -> dict:
+        return dict(tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls)
 
     def _limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -228,7 +244,12 @@ class ChatRequest(_Generation):
                 shown = repr(m.role) if len(m.role) <= 40 else repr(m.role[:40]) + "..."
                 raise ApiError(400, f"message {i} has role {shown}; a role is one of {', '.join(ROLES)} "
                                "(or developer)", param=f"messages.{i}.role")
-            out.append({"role": role, "content": content})
+            msg = {"role": role, "content": content}
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
         return out
 
 
@@ -257,7 +278,7 @@ class CompletionRequest(_Generation):
 
 
 # -- responses ----------------------------------------------------------------------------------
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "tool_calls": "tool_calls"}
 
 
 def finish_reason(reason: str) -> str:
@@ -296,9 +317,15 @@ class Envelope:
         obj = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, stats, reason: str) -> dict:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
-                  else {"index": 0, "text": text})
+    def whole(self, text: str, stats, reason: str, tool_calls=()) -> dict:
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message.update(content=text or None, tool_calls=[c.openai() for c in tool_calls])
+                reason = "tool_calls"
+            choice = {"index": 0, "message": message}
+        else:
+            choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=finish_reason(reason))
         return {**self._head(False), "choices": [choice], "usage": usage(stats),
                 "edgespec": self._extension(stats, reason)}
@@ -322,10 +349,24 @@ class Envelope:
         choice.update(logprobs=None, finish_reason=finish_reason(reason) if reason else None)
         return {**self._head(True), "choices": [choice]}
 
-    def last(self, stats, reason: str) -> dict:
-        out = self.chunk(None if self.chat else "", reason=reason)
+    def last(self, stats, reason: str, tool_calls=()) -> dict:
+        out = self.chunk(None if self.chat else "", reason="tool_calls" if tool_calls else reason)
         out["edgespec"] = self._extension(stats, reason)
         return out
+
+    def tool_call_chunks(self, tool_calls) -> list[dict]:
+        """A call as OpenAI streams it: its id and name first, then its arguments."""
+        out = []
+        for i, c in enumerate(tool_calls):
+            full = c.openai()
+            head = {"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+            out.append(self._delta({"tool_calls": [head]}))
+            args = {"index": i, "function": {"arguments": full["function"]["arguments"]}}
+            out.append(self._delta({"tool_calls": [args]}))
+        return out
+
+    def _delta(self, delta: dict) -> dict:
+        return {**self._head(True), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
     def usage_chunk(self, stats) -> dict:
         return {**self._head(True), "choices": [], "usage": usage(stats)}

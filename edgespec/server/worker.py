@@ -133,7 +133,7 @@ class Job:
         finally:
             self._stream = None
         reason = "cancelled" if self._cancel.is_set() else (stream.stats.finish_reason or "cancelled")
-        self._emit(END, (stream.stats, reason))
+        self._emit(END, (stream.stats, reason, list(getattr(stream, "tool_calls", []))))
 
     def _emit(self, kind: str, value) -> None:
         try:

@@ -1,0 +1,326 @@
+"""Tool calls: OpenAI's `tools` / `tool_choice`, in each model's own format, constrained.
+
+A `ToolSpec` is the request's tools and choice, checked. A `Format` knows how one family of
+chat templates writes calls (found from the template's text):
+- `hermes`: Qwen2.5 and Hermes-style templates, `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`;
+- `generic`: templates without tool support (SmolLM2, gemma-3): the tools are described in a
+  system message and the answer is one JSON object, either {"tool_call": {"name", "arguments"}}
+  or {"content": "..."}.
+Each format gives the grammar that constrains the answer (llguidance's Lark syntax, with the
+call's JSON Schema inline), renders the conversation (assistant turns with `tool_calls`, `tool`
+turns) and parses an answer back into text and calls, whole or as it streams.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import UsageError
+
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+CHOICES = ("auto", "none", "required")
+# the separators Jinja's tojson writes, which is how templates show calls to the model in training
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict
+
+    def openai(self) -> dict:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    tools: tuple[Tool, ...]
+    choice: str = "auto"            # auto | none | required | function
+    function: Optional[str] = None  # the one function when choice == "function"
+    parallel: bool = True
+
+    @classmethod
+    def build(cls, tools, tool_choice=None, parallel_tool_calls=None) -> Optional["ToolSpec"]:
+        """None when no tools are given (then tool_choice must be absent or "none"/"auto")."""
+        if not tools:
+            if tool_choice not in (None, "none", "auto"):
+                raise UsageError("tool_choice needs tools: give the functions in tools")
+            return None
+        if not isinstance(tools, (list, tuple)):
+            raise UsageError("tools must be a list of {'type': 'function', 'function': {...}}")
+        out, seen = [], set()
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise UsageError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', 'parameters'}}}}")
+            name = fn.get("name")
+            if not isinstance(name, str) or not NAME.fullmatch(name):
+                raise UsageError(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}")
+            if name in seen:
+                raise UsageError(f"tools[{i}]: two functions are named {name!r}")
+            seen.add(name)
+            params = fn.get("parameters", {"type": "object", "properties": {}})
+            if not isinstance(params, dict):
+                raise UsageError(f"tools[{i}].function.parameters must be a JSON Schema object")
+            _check_schema(params, f"tools[{i}].function.parameters")
+            desc = fn.get("description") or ""
+            if not isinstance(desc, str):
+                raise UsageError(f"tools[{i}].function.description must be text")
+            out.append(Tool(name, desc, params))
+        choice, function = "auto", None
+        if isinstance(tool_choice, dict):
+            fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+            function = fn.get("name") if isinstance(fn, dict) else None
+            if function is None:
+                raise UsageError("tool_choice must be auto, none, required or "
+                                 "{'type': 'function', 'function': {'name': ...}}")
+            if function not in seen:
+                raise UsageError(f"tool_choice names {function!r}, which is not in tools "
+                                 f"({', '.join(sorted(seen))})")
+            choice = "function"
+        elif tool_choice is not None:
+            if tool_choice not in CHOICES:
+                raise UsageError(f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}")
+            choice = tool_choice
+        return cls(tuple(out), choice, function, parallel_tool_calls is not False)
+
+    def callable_tools(self) -> tuple[Tool, ...]:
+        return tuple(t for t in self.tools if self.function is None or t.name == self.function)
+
+    def call_schema(self) -> dict:
+        """One call: {"name": one of the functions, "arguments": valid against its parameters}."""
+        options = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                    "required": ["name", "arguments"], "additionalProperties": False}
+                   for t in self.callable_tools()]
+        return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _check_schema(schema: dict, where: str) -> None:
+    from .constraints import Constraint
+    try:
+        Constraint.build(json_schema=schema)
+    except UsageError as exc:
+        raise UsageError(f"{where} is not a usable JSON Schema: {exc}") from None
+
+
+def _json_lark(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
+
+
+# -- formats ----------------------------------------------------------------------------------
+class Format:
+    name = "generic"
+
+    def grammar(self, spec: ToolSpec) -> Optional[str]:
+        raise NotImplementedError
+
+    def render_messages(self, messages: list[dict], spec: Optional[ToolSpec]) -> tuple[list[dict], dict]:
+        """(messages for the template, extra template variables)."""
+        raise NotImplementedError
+
+    def parse(self, text: str, spec: Optional[ToolSpec] = None) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+
+def _arguments(call: dict) -> dict:
+    """OpenAI sends arguments as JSON text; templates (tojson) want the object it encodes."""
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise UsageError(f"the arguments of tool call {fn.get('name')!r} are not JSON: {args[:80]!r}") from None
+    if not isinstance(args, dict):
+        raise UsageError(f"the arguments of tool call {fn.get('name')!r} must be a JSON object")
+    return args
+
+
+class Hermes(Format):
+    """<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>, the template renders tools."""
+
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+    def grammar(self, spec: ToolSpec) -> Optional[str]:
+        call = f'tc: <tool_call> "\\n" call "\\n" </tool_call>\ncall: {_json_lark(spec.call_schema())}\n'
+        calls = 'tc ("\\n" tc)*' if spec.parallel and spec.choice != "function" else "tc"
+        if spec.choice in ("required", "function"):
+            return f"start: {calls}\n" + call
+        if spec.choice == "auto":  # free text, or calls once the model opens one
+            return f"start: TEXT | TEXT? {calls}\nTEXT: /(?s:.+)/\n" + call
+        return None
+
+    def render_messages(self, messages, spec):
+        out = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{"type": "function", "id": c.get("id"),
+                                    "function": {"name": c.get("function", c).get("name"), "arguments": _arguments(c)}}
+                                   for c in m["tool_calls"]]
+            out.append(m)
+        extra = {"tools": [t.openai() for t in spec.tools]} if spec is not None and spec.choice != "none" else {}
+        return out, extra
+
+    def parse(self, text: str, spec: Optional[ToolSpec] = None) -> tuple[str, list[ToolCall]]:
+        calls = [c for c in map(_call, self.CALL.findall(text)) if c is not None]
+        if calls:
+            return self.CALL.sub("", text).strip(), calls
+        # a call written without its markup, the whole answer (small models do that): only when it
+        # names one of the request's functions
+        bare = _call(text.strip()) if spec is not None and spec.choice != "none" else None
+        if bare is not None and bare.name in {t.name for t in spec.tools}:
+            return "", [bare]
+        return text, []
+
+
+def _call(raw: str) -> Optional[ToolCall]:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments", {}), dict):
+        return ToolCall(new_call_id(), obj["name"], obj.get("arguments", {}))
+    return None
+
+
+class Generic(Format):
+    """Templates without tool support: tools described in a system message, the answer one JSON
+    object, {"tool_call": {"name", "arguments"}} or {"content": "..."}."""
+
+    name = "generic"
+
+    def _answer_schema(self, spec: ToolSpec) -> dict:
+        call = {"type": "object", "properties": {"tool_call": spec.call_schema()}, "required": ["tool_call"],
+                "additionalProperties": False}
+        if spec.choice in ("required", "function"):
+            return call
+        reply = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
+                 "additionalProperties": False}
+        return {"anyOf": [call, reply]}
+
+    def grammar(self, spec: ToolSpec) -> Optional[str]:
+        if spec.choice == "none":
+            return None
+        return "start: answer\nanswer: " + _json_lark(self._answer_schema(spec))
+
+    def describe(self, spec: ToolSpec) -> str:
+        lines = ["You can call these functions (JSON Schema of their arguments):"]
+        for t in spec.callable_tools():
+            lines.append(f"- {t.name}: {t.description}".rstrip(": ") + f" {json.dumps(t.parameters)}")
+        how = ('Answer with one JSON object: {"tool_call": {"name": "<function>", "arguments": {...}}} to call a '
+               'function')
+        how += "." if spec.choice in ("required", "function") else ', or {"content": "<your reply>"} to reply.'
+        return "\n".join(lines + [how])
+
+    def render_messages(self, messages, spec):
+        out = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):  # an earlier call, as the model itself would have written it
+                c = m["tool_calls"][0]
+                m["content"] = json.dumps({"tool_call": {"name": c.get("function", c).get("name"),
+                                                         "arguments": _arguments(c)}})
+                m.pop("tool_calls")
+            elif m.get("role") == "tool":  # results arrive as the user's turn in these templates
+                m = {"role": "user", "content": f"Result of the function call: {m.get('content', '')}"}
+            out.append(m)
+        if spec is not None and spec.choice != "none":
+            desc = self.describe(spec)
+            if out and out[0]["role"] == "system":
+                out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + desc)
+            else:
+                out.insert(0, {"role": "system", "content": desc})
+        return out, {}
+
+    def parse(self, text: str, spec: Optional[ToolSpec] = None) -> tuple[str, list[ToolCall]]:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []
+        if isinstance(obj, dict) and isinstance(obj.get("tool_call"), dict):
+            c = obj["tool_call"]
+            args = c.get("arguments", {})
+            return "", [ToolCall(new_call_id(), str(c.get("name")), args if isinstance(args, dict) else {})]
+        if isinstance(obj, dict) and isinstance(obj.get("content"), str):
+            return obj["content"], []
+        return text, []
+
+
+def detect(template: Optional[str]) -> Format:
+    """The tool-call format a chat template speaks."""
+    if template and "<tool_call>" in template:
+        return Hermes()
+    return Generic()
+
+
+@dataclass
+class StreamParser:
+    """Text as it streams -> (content to show now, calls when complete). Markup never reaches
+    the content: text inside a call, or that may open one, is held back until it is known."""
+
+    fmt: Format
+    spec: Optional[ToolSpec] = None
+    text: str = ""
+    shown: int = 0       # text[:shown] has been shown or belongs to a call
+    inside: bool = False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if isinstance(self.fmt, Generic):
+            return ""  # one JSON object: known only when complete
+        out = []
+        while True:
+            if self.inside:
+                end = self.text.find(Hermes.CLOSE, self.shown)
+                if end < 0:
+                    return "".join(out)
+                self.shown, self.inside = end + len(Hermes.CLOSE), False
+                continue
+            opened = self.text.find(Hermes.OPEN, self.shown)
+            if opened >= 0:
+                out.append(self.text[self.shown:opened])
+                self.shown, self.inside = opened + len(Hermes.OPEN), True
+                continue
+            # hold back a tail that could be the start of the marker
+            safe = len(self.text)
+            for k in range(min(len(Hermes.OPEN) - 1, len(self.text) - self.shown), 0, -1):
+                if Hermes.OPEN.startswith(self.text[-k:]):
+                    safe = len(self.text) - k
+                    break
+            out.append(self.text[self.shown:safe])
+            self.shown = safe
+            return "".join(out)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet shown, the calls)."""
+        content, calls = self.fmt.parse(self.text, self.spec)
+        if isinstance(self.fmt, Generic):
+            return content, calls
+        if calls and not self.inside and Hermes.OPEN not in self.text:  # a bare call (no markup)
+            return "", calls
+        rest = "" if self.inside else self.text[self.shown:]
+        self.shown = len(self.text)
+        return rest, calls

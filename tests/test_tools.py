@@ -1,0 +1,188 @@
+"""Tool calls: each format's rendering and parsing on fixed strings (whole and streamed), bad
+tool definitions, and calls through the official openai client against a real server (SmolLM2,
+whose template has no tool support: the generic format; the Qwen pair behind the qwen marker)."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from edgespec import UsageError
+from edgespec.chat import validate_messages
+from edgespec.tools import Generic, Hermes, StreamParser, ToolSpec, detect
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+
+
+# -- formats on fixed strings ------------------------------------------------------------------
+def test_formats_are_found_from_the_template():
+    assert isinstance(detect("... <tool_call>\n{{ tool_call.name }} ..."), Hermes)
+    assert isinstance(detect("{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}"), Generic)
+    assert isinstance(detect(None), Generic)
+
+
+def test_hermes_parses_calls_and_keeps_the_text_around_them():
+    spec = ToolSpec.build(TOOLS)
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>')
+    content, calls = Hermes().parse(text, spec)
+    assert content == "Let me check."
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris", "unit": "celsius"}),
+                                                      ("get_time", {"city": "Paris"})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert json.loads(calls[0].openai()["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    assert Hermes().parse("Just text, {not a call}.", spec) == ("Just text, {not a call}.", [])
+    # a bare call without its markup counts only when it names a function of the request
+    bare = '{"name": "get_time", "arguments": {"city": "Oslo"}}'
+    assert Hermes().parse(bare, spec)[1][0].name == "get_time"
+    assert Hermes().parse('{"name": "rm_rf", "arguments": {}}', spec)[1] == []
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 11])
+def test_hermes_streamed_never_shows_markup_and_gives_the_same_calls(cut):
+    spec = ToolSpec.build(TOOLS)
+    text = ('Sure. <tool_call>\n{"name": "get_time", "arguments": {"city": "Lima"}}\n</tool_call> Done <tool')
+    parser = StreamParser(Hermes(), spec)
+    shown = "".join(parser.feed(text[i:i + cut]) for i in range(0, len(text), cut))
+    rest, calls = parser.finish()
+    assert "<tool_call>" not in shown + rest and "arguments" not in shown + rest
+    assert (shown + rest).startswith("Sure. ") and [c.arguments for c in calls] == [{"city": "Lima"}]
+
+
+def test_hermes_renders_arguments_as_objects_and_offers_the_tools():
+    spec = ToolSpec.build(TOOLS)
+    msgs = validate_messages(ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                               "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 17}'}])
+    out, extra = Hermes().render_messages(msgs, spec)
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}  # not a string
+    assert [t["function"]["name"] for t in extra["tools"]] == ["get_weather", "get_time"]
+
+
+def test_generic_describes_the_tools_and_parses_its_json_answer():
+    spec = ToolSpec.build(TOOLS, "required")
+    out, extra = Generic().render_messages(validate_messages(ASK), spec)
+    assert out[0]["role"] == "system" and "get_weather" in out[0]["content"] and extra == {}
+    g = Generic()
+    content, calls = g.parse('{"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}}')
+    assert content == "" and calls[0].arguments == {"city": "Oslo", "unit": "celsius"}
+    assert g.parse('{"content": "Hello"}') == ("Hello", [])
+    parser = StreamParser(g, spec)
+    assert parser.feed('{"content": "Hi') == ""  # nothing before the object is complete
+    parser.feed('"}')
+    assert parser.finish() == ("Hi", [])
+
+
+@pytest.mark.parametrize("tools, choice, message", [
+    ([{"type": "function", "function": {"name": "bad name"}}], None, "1-64 letters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}], None, "not a usable"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not in tools"),
+    (TOOLS, "sometimes", "tool_choice must be one of"),
+    (None, "required", "tool_choice needs tools"),
+    ([{"type": "code_interpreter"}], None, "must be {'type': 'function'"),
+])
+def test_bad_tools_are_usage_errors(tools, choice, message):
+    with pytest.raises(UsageError, match=message):
+        ToolSpec.build(tools, choice)
+
+
+def test_a_tool_message_must_answer_a_call():
+    with pytest.raises(UsageError, match="no earlier assistant turn made"):
+        validate_messages(ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "17"}])
+
+
+# -- through the server ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_client(smol, tmp_path_factory):
+    from serverproc import ServerProcess
+    srv = ServerProcess(["--target", str(smol), "--ctx", "2048", "--drafter", "auto", "--threads", "1"],
+                        tmp_path_factory.mktemp("tools"))
+    srv.wait_ready()
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300) as c:
+        yield c
+    assert srv.stop() == 0, srv.log.read_text()
+
+
+def _check_call(call, name="get_weather"):
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == name
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name))
+    return args
+
+
+def _calls_loop(client, model="x"):
+    """required, a named function, streamed, the result sent back, none: the whole exchange."""
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=120, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    args = _check_call(choice.message.tool_calls[0], choice.message.tool_calls[0].function.name)
+    named = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    args = _check_call(call)
+    assert "<tool_call>" not in (named.choices[0].message.content or "")
+    # streamed: the pieces reassemble to the same call
+    chunks = list(client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert pieces and pieces[0].id and pieces[0].function.name == "get_weather"
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == args
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert all("<tool_call>" not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+    # the result goes back; a text answer follows
+    back = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 17, "sky": "clear"})}]
+    answer = client.chat.completions.create(model=model, messages=back, tools=TOOLS, tool_choice="none",
+                                            max_tokens=40, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    return args, answer.choices[0].message.content
+
+
+def test_tool_calls_through_the_openai_client_with_the_generic_format(smol_client):
+    args, answer = _calls_loop(smol_client)
+    assert args["unit"] in ("celsius", "fahrenheit")
+    text = smol_client.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="none",
+                                               max_tokens=16, temperature=0)
+    assert text.choices[0].finish_reason in ("stop", "length") and text.choices[0].message.content
+
+
+def test_bad_tool_requests_are_400_naming_the_field(smol_client):
+    with pytest.raises(openai.BadRequestError) as e:
+        smol_client.chat.completions.create(model="x", messages=ASK, tools=TOOLS, max_tokens=4,
+                                            tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        smol_client.chat.completions.create(model="x", messages=ASK, max_tokens=4, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}])
+    assert e.value.param == "tools"
+    with pytest.raises(openai.BadRequestError):
+        smol_client.chat.completions.create(model="x", max_tokens=4, messages=ASK + [
+            {"role": "tool", "tool_call_id": "call_nobody", "content": "17"}])
+
+
+@pytest.mark.qwen
+def test_tool_calls_on_the_qwen_pair_in_its_own_format(qwen_pair, tmp_path):
+    from serverproc import ServerProcess
+    target, draft = qwen_pair
+    srv = ServerProcess(["--target", str(target), "--draft", str(draft), "--ctx", "2048"], tmp_path)
+    try:
+        srv.wait_ready()
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600) as client:
+            args, answer = _calls_loop(client)
+            assert args == {"city": "Paris", "unit": "celsius"}  # the user's values
+            assert "17" in answer
+    finally:
+        assert srv.stop() == 0

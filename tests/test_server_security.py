@@ -113,7 +113,7 @@ def test_prompts_too_big_for_the_context_are_refused_without_holding_up_the_queu
 
 
 @pytest.mark.parametrize("field, value", [
-    ("prediction", {"type": "content", "content": "x"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("prediction", {"type": "content", "content": "x"}), ("functions", [{"name": "f"}]),
     ("tool_choice", "required"), ("logit_bias", {"42": 5}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
     ("repeat_penalty", 1.1), ("mirostat", 2), ("a_field_from_the_future", [1]), ("logprobs", True),
 ])

@@ -132,6 +132,7 @@ class Guide:
         llg = _llg()
         self.constraint = constraint
         self.n_vocab = n_vocab
+        self._tok = tokenizer
         self._m = llg.LLMatcher(tokenizer, constraint.grammar, log_level=0)
         self._words = (tokenizer.vocab_size + 31) // 32
         self._check()
@@ -162,6 +163,29 @@ class Guide:
     def forced(self) -> list[int]:
         """Tokens the grammar allows in exactly one way from here (possibly none)."""
         return list(self._m.compute_ff_tokens())
+
+    def likely(self) -> list[int]:
+        """`forced`, then the usual tokenization of the rest of the forced bytes (the closing
+        quote and colon after a key, say): bytes are forced there but not yet their tokens
+        (`":` or `"` then `:`), and the model mostly writes them the usual way. Drafts only: the
+        target verifies them."""
+        forced = self.forced()
+        try:
+            done = self._tok.decode_bytes(forced)
+            rest = bytes(self._m.compute_ff_bytes())
+        except Exception:  # an older llguidance without these: the forced tokens alone
+            return forced
+        if not rest.startswith(done) or len(rest) == len(done):
+            return forced
+        extra = self._tok.tokenize_bytes(rest[len(done):])
+        if not extra:
+            return forced
+        self.advance(forced)
+        try:
+            n = self.legal_prefix(extra)
+        finally:
+            self.rollback(len(forced))
+        return forced + list(extra[:n])
 
     def legal_prefix(self, tokens: list[int]) -> int:
         return int(self._m.validate_tokens(list(tokens))) if tokens else 0

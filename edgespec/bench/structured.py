@@ -184,6 +184,7 @@ def replay(drafter, costs, guide, prompt: list[int], out: list[int]) -> tuple[fl
 
     from ..drafters import NO_DRAFT, Round
     from ..drafters.ngram import agreed
+    from ..policy import rows_cheap
     from ..sampling import SamplingParams
     greedy, rng = SamplingParams(0.0), np.random.default_rng(0)
     tokens, n, i, pend, spent = list(prompt), len(out), 0, 0, 0.0
@@ -192,7 +193,8 @@ def replay(drafter, costs, guide, prompt: list[int], out: list[int]) -> tuple[fl
         drafter.begin(tokens)
     while i < n:
         room = n - i - 1
-        forced = guide.forced()[:room] if drafter is not None and room > 0 else []
+        ahead = guide.likely if rows_cheap(costs) or getattr(drafter, "policy", None) is None else guide.forced
+        forced = ahead()[:room] if drafter is not None and room > 0 else []  # as Engine._draft does
         guide.advance(forced)
         left = room - len(forced)
         inner = drafter.propose(tokens + forced, left, greedy, rng, guide) if drafter is not None and left > 0 \

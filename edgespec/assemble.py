@@ -47,8 +47,27 @@ REGISTRY = {k.name: k for k in (
 )}
 DRAFTERS = tuple(REGISTRY)
 CALIBRATE = ("auto", "now", "never")
+FLASH_ATTN = ("on", "off", "auto")
 ALL_LAYERS = -1  # n_gpu_layers: offload every layer
 DEFAULT_CACHE_MAX = 2**30  # the default prompt cache: at most 1 GiB of host RAM
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask, where the OS has one)."""
+    import os
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def offloaded_layers(n_gpu_layers: int) -> int:
+    """Layers llama.cpp will really put on the GPU for an n_gpu_layers setting: none on a
+    CPU-only build. What the memory planner is given, from every entry point."""
+    from .backend import ALL_GPU_LAYERS, gpu_offload_supported
+    if n_gpu_layers == 0 or not gpu_offload_supported():
+        return 0
+    return ALL_GPU_LAYERS if n_gpu_layers < 0 else n_gpu_layers
 
 
 def check_drafter(mode) -> None:
@@ -80,6 +99,7 @@ class Settings:
     cache_ram: Union[int, str, None] = None  # prompt cache in host RAM (bytes or "512MiB"; 0: none; None: default)
     models_file: Optional[str] = None
     verbose: bool = False              # llama.cpp's own logs
+    flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (README, "Memory")
 
     def validate(self) -> "Settings":
         """Check every field before anything is downloaded or loaded; returns self."""
@@ -88,6 +108,14 @@ class Settings:
         _check_int("gamma (--gamma)", self.gamma, 1, 32)
         if self.threads is not None:
             _check_int("threads (--threads)", self.threads, 1, 1024)
+            cpus = cpu_count()
+            if self.threads > cpus:
+                # more threads than CPUs wait on each other: a token costs seconds, not milliseconds
+                raise UsageError(f"threads (--threads) {self.threads} is more than the {cpus} CPUs this process "
+                                 f"can use: pass {cpus} or fewer, or leave it out (default: physical cores)")
+        if self.flash_attn not in FLASH_ATTN:
+            raise UsageError(f"flash_attn (--flash-attn) must be one of {', '.join(FLASH_ATTN)}, "
+                             f"got {self.flash_attn!r}")
         _check_int("n_gpu_layers", self.n_gpu_layers, -1)
         _check_int("draft_n_gpu_layers", self.draft_n_gpu_layers, -1)
         for name in ("target", "draft", "models_file"):
@@ -148,14 +176,23 @@ def resolve_files(settings: Settings, *, download: bool = True, progress: Option
     return Path(target), Path(draft) if draft else None
 
 
+def plan_for(settings: Settings, t_info, d_info, *, budget: Optional[int] = None) -> dict:
+    """memory.plan for these settings: their context, drafter, flash attention and the GPU
+    layers llama.cpp will really offload (the same for `plan`, `run`, the library and bench)."""
+    from .memory import plan
+    mode = settings.drafter if settings.drafter == "auto" else REGISTRY[settings.drafter].plans_as
+    return plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=mode, budget=budget,
+                gpu_layers=offloaded_layers(settings.n_gpu_layers),
+                draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn)
+
+
 def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool]:
     """(drafter mode, keep the draft model?) that fit the budget at the wanted context size,
     trying memory.plan's order: draft model, n-gram, plain decoding."""
-    from .memory import plan
     budget = settings.budget_bytes() - settings.cache_bytes()  # the prompt cache lives in the same RAM
     kind = REGISTRY[settings.drafter]
     mode = settings.drafter if settings.drafter == "auto" else kind.plans_as
-    choice = plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=mode, budget=budget)["choice"]
+    choice = plan_for(settings, t_info, d_info, budget=budget)["choice"]
     if choice.get("n_ctx") != settings.n_ctx:
         raise UsageError(f"{t_info.path.name} does not fit in {budget / 2**30:.2f} GiB even without a drafter "
                          f"at n_ctx {settings.n_ctx}: lower --ctx or raise --memory-budget (see `edgespec plan`)")
@@ -169,6 +206,31 @@ def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool]:
     if got == kind.plans_as:  # it fits as asked (copy plans as an n-gram index)
         return settings.drafter, got == "model"
     return got, got == "model"
+
+
+def trained_context(info) -> Optional[int]:
+    """The context length the model was trained for (GGUF `{arch}.context_length`), if stated."""
+    n = info.fields.get(f"{info.architecture}.context_length")
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_context(settings: Settings, t_info, d_info=None) -> None:
+    """Refuse, before anything is allocated, a context the model was not trained for or that
+    cannot fit in this machine's memory at all (llama.cpp would take a minute to fail)."""
+    from .memory import estimate_model, total_memory
+    for info in (t_info, d_info):
+        trained = trained_context(info) if info is not None else None
+        if trained is not None and settings.n_ctx > trained:
+            raise UsageError(f"n_ctx (--ctx) {settings.n_ctx} is more than the {trained} tokens {info.path.name} "
+                             f"was trained for: pass --ctx {trained} or less")
+    # a lower bound (no copied weights, no runtime): what is refused here could never run
+    need = estimate_model(t_info, settings.n_ctx, gpu_layers=offloaded_layers(settings.n_gpu_layers),
+                          repacked_types=(), flash_attn=settings.flash_attn).total
+    have = total_memory()
+    if have and need > have:
+        raise UsageError(f"n_ctx (--ctx) {settings.n_ctx} needs at least {need / 2**30:.1f} GiB for {t_info.path.name} "
+                         f"and its KV cache, more than this machine's {have / 2**30:.1f} GiB of RAM and swap: lower "
+                         "--ctx (see `edgespec plan`)")
 
 
 def build(settings: Settings, *, download: bool = True, calibrate: str = "auto",
@@ -186,13 +248,14 @@ def build(settings: Settings, *, download: bool = True, calibrate: str = "auto",
     d_info = read_info(draft_path) if draft_path else None
     if draft_path:
         check_pair(target_path, draft_path)  # before any weights are loaded
+    check_context(settings, t_info, d_info)
     drafter = settings.drafter
     if settings.memory_budget is not None:
         drafter, keep_draft = fit_budget(settings, t_info, d_info)
         if not keep_draft:
             draft_path = None
     tb = LlamaBackend(target_path, n_ctx=settings.n_ctx, n_gpu_layers=settings.n_gpu_layers,
-                      threads=settings.threads, verbose=settings.verbose)
+                      threads=settings.threads, flash_attn=settings.flash_attn, verbose=settings.verbose)
     db = None
     try:
         if drafter != "none" and not tb.can_truncate:
@@ -204,7 +267,7 @@ def build(settings: Settings, *, download: bool = True, calibrate: str = "auto",
             drafter, draft_path = "none", None
         if draft_path:
             db = LlamaBackend(draft_path, n_ctx=settings.n_ctx, n_gpu_layers=settings.draft_n_gpu_layers,
-                              threads=settings.threads, verbose=settings.verbose)
+                              threads=settings.threads, flash_attn=settings.flash_attn, verbose=settings.verbose)
         from .promptcache import PromptCache
         cache_bytes = settings.cache_bytes()
         return Engine(tb, make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate,

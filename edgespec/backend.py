@@ -50,6 +50,8 @@ def default_threads() -> int:
     return max(1, n or os.cpu_count() or 1)
 
 
+# llama.cpp's llama_flash_attn_type: auto lets it decide per device (on for CPUs)
+FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
 ALL_GPU_LAYERS = 2**31 - 1  # what n_gpu_layers = -1 means: llama.cpp caps it at the model's layers
 
 
@@ -61,7 +63,11 @@ class LlamaBackend:
     """A loaded GGUF model with its own context, KV cache and batch."""
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_gpu_layers: int = -1,
-                 threads: int | None = None, n_batch: int = 512, flash_attn: bool = False, verbose: bool = False):
+                 threads: int | None = None, n_batch: int = 512, flash_attn: str | bool = "off",
+                 verbose: bool = False):
+        flash_attn = {True: "on", False: "off"}.get(flash_attn, flash_attn)
+        if flash_attn not in FLASH_ATTN_TYPES:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
         L = _llama()
         set_verbose(verbose)
         self.path = Path(path)
@@ -79,8 +85,9 @@ class LlamaBackend:
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
         if hasattr(cparams, "flash_attn_type"):
-            # off, as llama-cpp-python's Llama has it: the same numerics as its plain decoding
-            cparams.flash_attn_type = 1 if flash_attn else 0
+            cparams.flash_attn_type = FLASH_ATTN_TYPES[flash_attn]
+        elif hasattr(cparams, "flash_attn"):  # llama.cpp before the auto setting: a bool
+            cparams.flash_attn = flash_attn == "on"
         self._ctx = L.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             L.llama_model_free(self._model)
@@ -94,8 +101,11 @@ class LlamaBackend:
         self.n_batch = int(L.llama_n_batch(self._ctx))
         self.threads = threads
         # what changes this backend's speed: the key of its calibration
+        # (flash attention off stays False, as in calibrations cached before it was a setting)
         self.settings = {"n_gpu_layers": n_gpu_layers, "n_ctx": self.n_ctx, "threads": threads,
-                         "flash_attn": flash_attn, "gpu_offload": gpu_offload_supported()}
+                         "flash_attn": {"on": True, "off": False}.get(flash_attn, flash_attn),
+                         "gpu_offload": gpu_offload_supported()}
+        self.flash_attn = flash_attn
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._mem = L.llama_get_memory(self._ctx)
         recurrent = L.llama_model_is_recurrent(self._model)

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .cachefile import read_text
 from .policy import Costs
 from .progress import log, report
 from .registry import cache_dir
@@ -361,9 +362,10 @@ def _number(v) -> bool:
 
 def _read(path, key) -> Optional[dict]:
     """The cached record, or None when the file is missing, unreadable or of another shape."""
+    text = read_text(path)  # a regular file of bounded size only: never a FIFO or a device
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(text) if text is not None else None
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or data.get("key") != key:
         return None

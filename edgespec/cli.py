@@ -96,7 +96,16 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                    help="draft length per round for --drafter model/ngram (default 4; auto chooses its own)")
     p.add_argument("--memory-budget", metavar="SIZE", default=None,
                    help="e.g. 2GiB, 1500MB, 2g: drop the draft model for n-grams when it would not fit")
+    _add_flash_attn_arg(p)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's own logs")
+
+
+def _add_flash_attn_arg(p: argparse.ArgumentParser) -> None:
+    from .assemble import FLASH_ATTN, Settings
+    p.add_argument("--flash-attn", choices=FLASH_ATTN, default=Settings.flash_attn,
+                   help=f"llama.cpp's flash attention (default {Settings.flash_attn}): off materialises "
+                   "attention scores for every cached position, hundreds of MiB at long contexts; "
+                   "see README, \"Memory\"")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -172,6 +181,8 @@ def settings_from_args(args, **overrides):
                   draft_n_gpu_layers=args.draft_n_gpu_layers, gamma=getattr(args, "gamma", 4),
                   memory_budget=args.memory_budget, models_file=args.models,
                   verbose=getattr(args, "verbose", False))
+    if getattr(args, "flash_attn", None) is not None:
+        fields["flash_attn"] = args.flash_attn
     fields.update(overrides)
     return Settings(**fields).validate()
 
@@ -367,6 +378,7 @@ def _setup_plan(sub) -> None:
     p.add_argument("--memory-budget", metavar="SIZE", help="e.g. 2GiB, 1500MB, 2g (default: available RAM)")
     p.add_argument("--n-gpu-layers", type=int, default=-1, metavar="N", help="target layers on the GPU (-1 all)")
     p.add_argument("--draft-n-gpu-layers", type=int, default=-1, metavar="N", help="draft layers on the GPU")
+    _add_flash_attn_arg(p)
     p.add_argument("--json", action="store_true", help='print {"configs": [...], "choice": {...}}')
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("doctor", help="what this machine and install can do",
@@ -376,41 +388,30 @@ def _setup_plan(sub) -> None:
     p.set_defaults(func=cmd_doctor)
 
 
-def _gpu_layers(n: int) -> int:
-    """Layers that will really be offloaded: none on a CPU-only build."""
-    from .backend import ALL_GPU_LAYERS, gpu_offload_supported
-    if not gpu_offload_supported() or n == 0:
-        return 0
-    return ALL_GPU_LAYERS if n < 0 else n
-
-
 def cmd_plan(args) -> int:
-    from .assemble import resolve_files
+    from .assemble import plan_for, resolve_files
     from .ggufinfo import read_info
-    from .memory import plan
     settings = settings_from_args(args)
     budget = settings.budget_bytes()
     target, d_path = resolve_files(settings, download=False)
     t = read_info(target)
     d = read_info(d_path) if d_path else None
-    result = plan(t, d, n_ctx=args.ctx, drafter=args.drafter, budget=budget,
-                  gpu_layers=_gpu_layers(args.n_gpu_layers), draft_gpu_layers=_gpu_layers(args.draft_n_gpu_layers))
+    result = plan_for(settings, t, d, budget=budget)
     if args.json:
         for c in result["configs"]:
             c.pop("parts")
         print(json.dumps(result, indent=1))
         return 0
-    print(f"budget {result['budget_bytes'] / 2**30:.2f} GiB" + ("" if budget else " (available RAM)"))
-    print(f"{'drafter':<8} {'n_ctx':>6} {'estimate':>10}  fits")
+    from .assemble import offloaded_layers
+    from .memory import explain
+    print("\n".join(explain(result, t, d, n_ctx=settings.n_ctx, drafter=settings.drafter, budget_given=bool(budget),
+                             gpu_layers=offloaded_layers(settings.n_gpu_layers),
+                             draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers),
+                             flash_attn=settings.flash_attn)))
+    print(f"\nAll configurations:\n{'drafter':<8} {'n_ctx':>6} {'estimate':>10}  fits")
     for c in result["configs"]:
         fits = "yes" if c["fits"] else "no"
         print(f"{c['drafter']:<8} {c['n_ctx']:>6} {c['estimated_bytes'] / 2**30:>8.2f} GiB  {fits}")
-    ch = result["choice"]
-    if "drafter" in ch:
-        print(f"choice: {ch['drafter']} at n_ctx {ch['n_ctx']} ({ch['estimated_bytes'] / 2**30:.2f} GiB): "
-              f"{ch['reason']}")
-    else:
-        print(f"choice: none - {ch['reason']}")
     return 0
 
 
@@ -464,6 +465,11 @@ def _setup_bench(sub) -> None:
 
 def cmd_bench(args) -> int:
     from . import bench
+    if args.memory_budget and "," in args.memory_budget:  # a sweep: one process per budget
+        from .bench import budgets
+        sizes = budgets.parse_budgets(args.memory_budget)
+        return budgets.main(settings_from_args(args, drafter="auto", memory_budget=None), sizes,
+                            bench.options_from_args(args))
     settings = settings_from_args(args, drafter="auto")
     return bench.main(settings, bench.options_from_args(args), progress=ProgressBar())
 

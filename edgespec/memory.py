@@ -33,11 +33,13 @@ MiB = 2**20
 # SmolLM2-135M, gemma-3-270m and Qwen2.5-Coder 0.5B / 1.5B on two llama.cpp builds of the same
 # machine (AVX-512 and AVX2-only) - README, "Memory". What does vary between machines comes
 # from probe.machine_figures().
-RUN_EXTRA = 16 * MiB                # what a run adds beyond the probe's interpreter and context
+RUN_EXTRA = 12 * MiB                # what a run adds beyond the probe's interpreter and context
 VOCAB_BYTES_PER_TOKEN = 275         # llama.cpp's vocabulary + edgespec's token list, per token
 VOCAB_BYTES_PER_MERGE = 160         # llama.cpp's BPE ranks, per merge
-ACTIVATION_FF = 2.5                 # resident f32 activations per micro-batch token, x n_ff
-ACTIVATION_EMBD = 4.7               # ... and x n_embd
+# resident f32 activations per token of a full micro-batch, x n_ff and x n_embd: fitted to the
+# growth from a short prompt to a full context with flash attention on (SmolLM2, Qwen 0.5B/1.5B)
+ACTIVATION_FF = 2.94
+ACTIVATION_EMBD = 4.8
 NGRAM_BYTES_PER_TOKEN = 8 * 160  # N_MAX dict entries of a short tuple key each
 N_UBATCH = 512
 
@@ -56,10 +58,22 @@ class ModelEstimate:
     activations: int
     vocab_tables: int
     output: int
+    attention: int = 0  # beyond `activations`: the attention scores of a micro-batch (flash attention off)
 
     @property
     def total(self) -> int:
-        return self.weights + self.repacked + self.kv_cache + self.activations + self.vocab_tables + self.output
+        return (self.weights + self.repacked + self.kv_cache + self.activations + self.attention + self.vocab_tables
+                + self.output)
+
+
+def attention_scratch(n_head: int, n_ubatch: int, n_kv: int, flash_attn: str) -> int:
+    """Resident bytes of one micro-batch's attention against n_kv cached positions. Without
+    flash attention llama.cpp materialises the scores and their softmax (or the f16 copy of them
+    that the V product reads), heads x n_ubatch x n_kv each, and an f32 mask; with it (on, or
+    auto on a CPU) only an f16 mask, the scores being computed tile by tile."""
+    if flash_attn == "off":
+        return (2 * 4 * n_head + 4) * n_ubatch * n_kv
+    return 2 * n_ubatch * n_kv
 
 
 def _arch(info, key, default=None):
@@ -77,7 +91,7 @@ def _per_layer(value, n_layer: int, default: int) -> list[int]:
 
 
 def estimate_model(info, n_ctx: int, *, n_ubatch: int = N_UBATCH, gpu_layers: int = 0,
-                   rows: int = 33, repacked_types=None) -> ModelEstimate:
+                   rows: int = 33, repacked_types=None, flash_attn: str = "off") -> ModelEstimate:
     """`info`: a GGUFInfo. `gpu_layers`: layers llama.cpp will offload (0 on a CPU-only build).
     `repacked_types`: the weight types llama.cpp copies on this CPU (default: measured)."""
     from gguf.constants import GGMLQuantizationType
@@ -119,25 +133,29 @@ def estimate_model(info, n_ctx: int, *, n_ubatch: int = N_UBATCH, gpu_layers: in
     n_ff = max(_per_layer(_arch(info, "feed_forward_length"), n_layer, 4 * n_embd)) or 4 * n_embd
     ub = min(n_ubatch, n_ctx)
     activations = int(ub * 4 * (ACTIVATION_FF * n_ff + ACTIVATION_EMBD * n_embd))
+    # the worst case of any prompt that fits: its last full micro-batch against the whole context
+    # (a short prompt touches neither this nor the activations; see README, "Memory")
+    attention = attention_scratch(max(heads[:n_cpu]), ub, n_ctx, flash_attn) if n_cpu else 0
     merges = int(info.fields.get("tokenizer.ggml.merges.count", 0))
     vocab = VOCAB_BYTES_PER_TOKEN * info.n_vocab + VOCAB_BYTES_PER_MERGE * merges
-    return ModelEstimate(weights, repacked, kv, activations, vocab, rows * info.n_vocab * 4)
+    return ModelEstimate(weights, repacked, kv, activations, vocab, rows * info.n_vocab * 4, attention)
 
 
 def estimate_process(target_info, draft_info=None, *, n_ctx: int, drafter: str = "none",
-                     gpu_layers: int = 0, draft_gpu_layers: int = 0) -> dict:
+                     gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off") -> dict:
     """Whole-process peak RSS for a configuration, by part (bytes)."""
     fig = machine_figures()
     repacked_types = fig["repacked_types"]
     # logits rows the target returns per pass: one when decoding plainly, up to 33 when verifying
     t = estimate_model(target_info, n_ctx, gpu_layers=gpu_layers, rows=1 if drafter == "none" else 33,
-                       repacked_types=repacked_types)
+                       repacked_types=repacked_types, flash_attn=flash_attn)
     contexts = 1
     runtime_parts = {"interpreter": int(fig["runtime_bytes"]), "context": int(fig["context_overhead_bytes"]),
                      "run": RUN_EXTRA, "source": fig.get("source", "measured")}
     parts = {"runtime": 0, "target": t.total, "target_parts": asdict(t)}
     if drafter == "model" and draft_info is not None:
-        d = estimate_model(draft_info, n_ctx, gpu_layers=draft_gpu_layers, rows=1, repacked_types=repacked_types)
+        d = estimate_model(draft_info, n_ctx, gpu_layers=draft_gpu_layers, rows=1, repacked_types=repacked_types,
+                           flash_attn=flash_attn)
         parts["draft"] = d.total
         parts["draft_parts"] = asdict(d)
         contexts = 2
@@ -171,11 +189,20 @@ def available_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def total_memory() -> int:
+    """RAM and swap of this machine (0 when unknown): more than this can never be resident."""
+    try:
+        import psutil
+        return int(psutil.virtual_memory().total + psutil.swap_memory().total)
+    except Exception:
+        return 0
+
+
 CTX_CHOICES = (32768, 16384, 8192, 4096, 2048, 1024)
 
 
 def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "auto",
-         budget: int | None = None, gpu_layers: int = 0, draft_gpu_layers: int = 0) -> dict:
+         budget: int | None = None, gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off") -> dict:
     """Every configuration with its estimate, and the one that fits best: the wanted drafter at
     the wanted context first, then cheaper drafters (model -> n-gram -> none), then smaller
     contexts."""
@@ -190,7 +217,7 @@ def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "aut
             continue
         for c in ctxs:
             est = estimate_process(target_info, draft_info, n_ctx=c, drafter=d, gpu_layers=gpu_layers,
-                                   draft_gpu_layers=draft_gpu_layers)
+                                   draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn)
             configs.append({"drafter": d, "n_ctx": c, "estimated_bytes": est["total"],
                             "fits": est["total"] <= budget, "parts": est})
     choice, reason = None, ""
@@ -207,6 +234,89 @@ def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "aut
     return {"budget_bytes": budget, "configs": configs,
             "choice": ({k: v for k, v in choice.items() if k != "parts"} | {"reason": reason}) if choice else
             {"reason": f"nothing fits in {budget / 2**30:.2f} GiB, not even plain decoding at n_ctx {ctxs[-1]}"}}
+
+
+def largest_context(target_info, draft_info=None, *, drafter: str, budget: int, limit: int,
+                    gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off",
+                    step: int = 256) -> int:
+    """The largest n_ctx (a multiple of `step`, at most `limit`) whose estimate for `drafter`
+    fits in `budget`; 0 when not even `step` tokens fit. The estimate grows with n_ctx."""
+    def fits(n):
+        return estimate_process(target_info, draft_info, n_ctx=n, drafter=drafter, gpu_layers=gpu_layers,
+                                draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn)["total"] <= budget
+    lo, hi = 0, max(0, limit // step)  # in steps: fits(lo * step) holds (or lo is 0), hi is the cap
+    if hi and fits(hi * step):
+        return hi * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+CONFIG_WORDS = {"model": "target + draft model", "ngram": "target + n-gram drafting", "none": "target alone"}
+PART_WORDS = {"weights": "weights", "repacked": "copied weights", "kv_cache": "KV cache",
+              "attention": "attention scratch", "activations": "activations", "vocab_tables": "vocabulary",
+              "output": "logits"}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: str, budget_given: bool,
+            gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off") -> list[str]:
+    """`plan`'s result in sentences for a person: what fits, what was dropped and why, the
+    largest context that fits for each configuration, and where the chosen peak goes."""
+    budget = result["budget_bytes"]
+    configs = {(c["drafter"], c["n_ctx"]): c for c in result["configs"]}
+    wanted = ("model" if draft_info is not None else "ngram") if drafter in ("auto", "model") else drafter
+    lines = [f"Budget: {_gib(budget)} ({'--memory-budget' if budget_given else 'the RAM available now'})."]
+    with_what = {"model": f"the draft model {draft_info.path.name}" if draft_info is not None else "a draft model",
+                 "ngram": "n-gram drafting", "none": "no drafter"}[wanted]
+    lines.append(f"Wanted: {target_info.path.name} with {with_what} at n_ctx {n_ctx}, flash attention {flash_attn}.")
+    ch = result["choice"]
+    if "drafter" in ch:
+        spare = budget - ch["estimated_bytes"]
+        lines.append(f"Fits: {CONFIG_WORDS[ch['drafter']]} at n_ctx {ch['n_ctx']}, a peak of about "
+                     f"{_gib(ch['estimated_bytes'])} ({_gib(spare)} to spare).")
+    else:
+        lines.append(f"Nothing fits: {ch['reason']}.")
+    order = ["model", "ngram", "none"]
+    for d in order[order.index(wanted):]:
+        if "drafter" in ch and d == ch["drafter"]:
+            break
+        c = configs.get((d, n_ctx))
+        if c is not None and not c["fits"]:
+            lines.append(f"Dropped: {CONFIG_WORDS[d]} at n_ctx {n_ctx} needs about {_gib(c['estimated_bytes'])}, "
+                         f"{_gib(c['estimated_bytes'] - budget)} over the budget.")
+    if "drafter" in ch and ch["n_ctx"] != n_ctx:
+        lines.append(f"Dropped: n_ctx {n_ctx}; the context was lowered to {ch['n_ctx']} to fit.")
+    trained = [int(i.fields.get(f"{i.architecture}.context_length") or 0) for i in (target_info, draft_info) if i]
+    limit = min([t for t in trained if t > 0] or [CTX_CHOICES[0] * 4])
+    largest = []
+    for d in order:
+        if d == "model" and draft_info is None:
+            continue
+        n = largest_context(target_info, draft_info, drafter=d, budget=budget, limit=limit, gpu_layers=gpu_layers,
+                            draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn)
+        largest.append(f"{CONFIG_WORDS[d]} {n:,} tokens" if n else f"{CONFIG_WORDS[d]} none")
+    lines.append(f"Largest context that fits (the model was trained for {limit:,}): " + "; ".join(largest) + ".")
+    if "drafter" in ch:
+        parts = configs[(ch["drafter"], ch["n_ctx"])]["parts"]
+        shares = {}
+        for key in ("target_parts", "draft_parts"):
+            for name, v in parts.get(key, {}).items():
+                shares[name] = shares.get(name, 0) + v
+        shares["runtime"] = parts["runtime"] + parts.get("ngram_index", 0)
+        words = [f"{PART_WORDS.get(k, k)} {v / 2**20:,.0f} MiB" for k, v in shares.items() if v >= 2**20 // 2]
+        lines.append("Where the peak goes: " + ", ".join(words) + ".")
+    if flash_attn == "off" and "drafter" in ch:
+        lines.append("Flash attention is off: attention scores for every cached position are materialised "
+                     "(--flash-attn auto avoids most of that scratch).")
+    return lines
 
 
 def peak_rss() -> int:

@@ -29,6 +29,8 @@ import struct
 import sys
 from pathlib import Path
 
+from .cachefile import read_text
+
 log = logging.getLogger("edgespec")
 
 PROBE_VERSION = 1
@@ -302,6 +304,22 @@ def _key() -> dict:
     return json.loads(json.dumps(key))  # as it reads back from the cache file
 
 
+def _count(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def valid_figures(figures) -> bool:
+    """Every figure the estimate uses, of the type and within the range a real machine gives:
+    a cache file of the right key can still hold anything (an older format, a hand edit)."""
+    if not isinstance(figures, dict):
+        return False
+    types = figures.get("repacked_types")
+    return (_count(figures.get("runtime_bytes"), MiB, 16 * 2**30)
+            and _count(figures.get("context_overhead_bytes"), 0, 4 * 2**30)
+            and isinstance(types, list) and all(isinstance(t, str) and t in CANDIDATE_TYPES for t in types)
+            and _count(figures.get("page_size", 4096), 512, 2**30))
+
+
 def cache_path(key: dict) -> Path:
     import hashlib
     from .registry import cache_dir
@@ -333,9 +351,12 @@ def measure(timeout: float = TIMEOUT_S) -> dict:
         tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no message"]
         raise RuntimeError(f"memory probe failed ({proc.returncode}): {tail[0]}")
     try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        figures = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        raise RuntimeError("memory probe printed no figures") from None
+        figures = None
+    if not isinstance(figures, dict):
+        raise RuntimeError("memory probe printed no figures")
+    return figures
 
 
 def machine_figures(*, refresh: bool = False) -> dict:
@@ -347,15 +368,22 @@ def machine_figures(*, refresh: bool = False) -> dict:
     path = cache_path(key)
     figures = None
     if not refresh:
+        text = read_text(path)  # a regular file of bounded size only: never a FIFO or a device
         try:
-            cached = json.loads(path.read_text())
-            if cached.get("key") == key and isinstance(cached.get("figures"), dict):
-                figures = cached["figures"]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
+            cached = json.loads(text) if text is not None else None
+        except (ValueError, RecursionError):
+            cached = None
+        if isinstance(cached, dict) and cached.get("key") == key and valid_figures(cached.get("figures")):
+            figures = cached["figures"]
+        elif cached is not None:
+            log.debug("memory probe: the cached figures in %s are not usable: measuring again", path)
     if figures is None:
         try:
             figures = measure()
+            for name in ("runtime_bytes", "context_overhead_bytes", "repacked_types"):
+                figures.setdefault(name, DEFAULTS[name])  # a part the child could not measure
+            if not valid_figures(figures):
+                raise RuntimeError("memory probe reported figures of the wrong shape")
             figures["source"] = "measured"
         except RuntimeError as exc:
             log.warning("%s; memory estimates use default figures", exc)
@@ -369,8 +397,6 @@ def machine_figures(*, refresh: bool = False) -> dict:
             except OSError as exc:
                 log.debug("memory probe: cannot cache figures in %s (%s): measuring again in the next process",
                           path, exc)
-    for name in ("runtime_bytes", "context_overhead_bytes", "repacked_types"):
-        figures.setdefault(name, DEFAULTS[name])  # a part the child could not measure
     _memo["figures"] = figures
     return figures
 

@@ -47,13 +47,13 @@ def memory_bench(settings, opts, items) -> int:
 
     from dataclasses import replace
 
-    from ..assemble import resolve_files
+    from ..assemble import plan_for, resolve_files
     from ..ggufinfo import read_info
-    from ..memory import plan
 
     budget = settings.budget_bytes()
     target, draft = resolve_files(replace(settings, drafter="auto"))
-    result = plan(read_info(target), read_info(draft) if draft else None, n_ctx=settings.n_ctx, budget=budget)
+    result = plan_for(replace(settings, drafter="auto"), read_info(target), read_info(draft) if draft else None,
+                      budget=budget)
     configs = [c for c in result["configs"] if c["fits"] and c["n_ctx"] == settings.n_ctx]
     firsts = list({it["kind"]: it for it in items}.values())  # one prompt per kind
     rows = []
@@ -62,7 +62,9 @@ def memory_bench(settings, opts, items) -> int:
             with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as fh:
                 fh.write(it["prompt"])
             cmd = [sys.executable, "-m", "edgespec", "run", "--target", str(target), "--drafter", cfg["drafter"],
-                   "--ctx", str(cfg["n_ctx"]), "--json", "--max-tokens", str(opts.bench_tokens), "-f", fh.name]
+                   "--ctx", str(cfg["n_ctx"]), "--json", "--max-tokens", str(opts.bench_tokens), "-f", fh.name,
+                   "--flash-attn", settings.flash_attn, "--n-gpu-layers", str(settings.n_gpu_layers),
+                   "--draft-n-gpu-layers", str(settings.draft_n_gpu_layers)]
             if cfg["drafter"] == "model":
                 cmd += ["--draft", str(draft)]
             child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

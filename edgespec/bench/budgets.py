@@ -1,0 +1,185 @@
+"""The memory-budget sweep: `bench --memory-budget 1GiB,2GiB,4GiB,8GiB`.
+
+For each budget the planner picks a configuration in its fallback order (the pair with its
+draft model, then n-gram drafting alone, then plain decoding, then smaller contexts), and one
+process per budget and prompt runs it with `--memory-budget` set, so that what it measures
+(peak RSS, decode speed, acceptance) is that configuration alone. Table, JSON and a chart.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import UsageError
+
+MiB = 2**20
+
+
+def parse_budgets(text: str) -> list[int]:
+    """'1GiB,2GiB,4GiB' -> bytes, in the order given."""
+    from ..memory import parse_size
+    parts = [p for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise UsageError(f"--memory-budget takes sizes like 1GiB,2GiB,4GiB, got {text!r}")
+    return [parse_size(p) for p in parts]
+
+
+def choices(settings, t_info, d_info, budgets: list[int]) -> list[dict]:
+    """The planner's choice for each budget: {budget_bytes, drafter, n_ctx, estimated_bytes,
+    reason} (drafter None when nothing fits)."""
+    from ..assemble import plan_for
+    out = []
+    for b in budgets:
+        ch = plan_for(settings, t_info, d_info, budget=b)["choice"]
+        out.append({"budget_bytes": b, "drafter": ch.get("drafter"), "n_ctx": ch.get("n_ctx"),
+                    "estimated_bytes": ch.get("estimated_bytes"), "reason": ch["reason"]})
+    return out
+
+
+def child_command(settings, target, draft, choice: dict, prompt_file: str, max_tokens: int) -> list[str]:
+    """`edgespec run` for one budget: the chosen context, the budget itself (the child plans again
+    and drops the draft model exactly as the sweep's plan did), the settings that decide memory."""
+    drafter = {"model": "auto", "ngram": "auto", "none": "none"}[choice["drafter"]]
+    cmd = [sys.executable, "-m", "edgespec", "run", "--target", str(target), "--drafter", drafter,
+           "--ctx", str(choice["n_ctx"]), "--memory-budget", str(choice["budget_bytes"]), "--json",
+           "--max-tokens", str(max_tokens), "-f", prompt_file, "--flash-attn", settings.flash_attn,
+           "--n-gpu-layers", str(settings.n_gpu_layers), "--draft-n-gpu-layers", str(settings.draft_n_gpu_layers)]
+    if draft is not None and choice["drafter"] != "none":
+        cmd += ["--draft", str(draft)]
+    if settings.threads:
+        cmd += ["--threads", str(settings.threads)]
+    if settings.models_file:
+        cmd += ["--models", str(settings.models_file)]
+    return cmd
+
+
+def run_child(cmd: list[str]) -> dict:
+    """Run one configuration in its own process: its --json result, with the peak RSS both as
+    the child's own high-water mark and as sampled from outside."""
+    from .memory import RssSampler
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = RssSampler(child.pid)
+    out, err = child.communicate()
+    sampled = sampler.stop()
+    if child.returncode != 0:
+        last = err.strip().splitlines()[-1] if err.strip() else "?"
+        raise UsageError(f"the run for this budget failed: {last}")
+    res = json.loads(out)
+    res["peak_rss_sampled_bytes"] = sampled
+    return res
+
+
+def sweep(settings, budgets: list[int], prompts: list[dict], *, max_tokens: int = 128,
+          runner: Callable[[list[str]], dict] = run_child, say: Optional[Callable[[str], None]] = None) -> dict:
+    """Plan each budget, run its choice once per prompt (each in its own process), report."""
+    from ..assemble import resolve_files
+    from ..ggufinfo import read_info
+    target, draft = resolve_files(replace(settings, drafter="auto"))
+    t_info, d_info = read_info(target), read_info(draft) if draft else None
+    rows = []
+    for i, ch in enumerate(choices(settings, t_info, d_info, budgets), 1):
+        row = dict(ch, runs=[])
+        if ch["drafter"] is not None:
+            for it in prompts:
+                with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as fh:
+                    fh.write(it["prompt"])
+                try:
+                    res = runner(child_command(settings, target, draft, ch, fh.name, max_tokens))
+                finally:
+                    Path(fh.name).unlink()
+                st = res["stats"]
+                row["runs"].append({"id": it["id"], "kind": it["kind"], "tokens_per_second": st["tokens_per_second"],
+                                    "acceptance": st["acceptance_rate"], "drafter": st.get("drafter"),
+                                    "peak_rss_bytes": max(res["peak_rss_bytes"], res.get("peak_rss_sampled_bytes", 0))})
+            row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in row["runs"])
+            row["tokens_per_second"] = statistics.mean(r["tokens_per_second"] for r in row["runs"])
+            row["acceptance"] = statistics.mean(r["acceptance"] for r in row["runs"])
+        rows.append(row)
+        if say:
+            say(f"[{i}/{len(budgets)}] {describe(row)}")
+    return {"target": str(target), "draft": str(draft) if draft else None, "wanted_n_ctx": settings.n_ctx,
+            "flash_attn": settings.flash_attn, "max_tokens": max_tokens, "rows": rows}
+
+
+CONFIG_NAMES = {"model": "pair (draft model)", "ngram": "n-gram only", "none": "plain decoding"}
+
+
+def describe(row: dict) -> str:
+    gib = row["budget_bytes"] / 2**30
+    if row["drafter"] is None:
+        return f"{gib:g} GiB: nothing fits ({row['reason']})"
+    s = (f"{gib:g} GiB: {CONFIG_NAMES[row['drafter']]} at n_ctx {row['n_ctx']}, "
+         f"planned {row['estimated_bytes'] / MiB:.0f} MiB")
+    if "peak_rss_bytes" in row:
+        s += f", measured {row['peak_rss_bytes'] / MiB:.0f} MiB, {row['tokens_per_second']:.1f} tok/s"
+    return s
+
+
+def format_table(report: dict) -> str:
+    lines = ["| budget | configuration | n_ctx | planned (MiB) | measured peak (MiB) | tok/s | acceptance |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        b = f"{r['budget_bytes'] / 2**30:g} GiB"
+        if r["drafter"] is None:
+            lines.append(f"| {b} | nothing fits | | | | | |")
+            continue
+        peak = f"{r['peak_rss_bytes'] / MiB:.0f}" if "peak_rss_bytes" in r else ""
+        tps = f"{r['tokens_per_second']:.1f}" if "tokens_per_second" in r else ""
+        acc = f"{r['acceptance']:.2f}" if "acceptance" in r else ""
+        lines.append(f"| {b} | {CONFIG_NAMES[r['drafter']]} | {r['n_ctx']} | {r['estimated_bytes'] / MiB:.0f} | "
+                     f"{peak} | {tps} | {acc} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> Optional[Path]:
+    """Planned and measured peak per budget against the budget itself, tok/s written on top."""
+    from .report import _pyplot
+    plt = _pyplot()
+    rows = [r for r in report["rows"] if r["drafter"] is not None]
+    if plt is None or not rows:
+        return None
+    import numpy as np
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.bar(x - 0.2, [r["estimated_bytes"] / MiB for r in rows], 0.4, label="planned")
+    ax.bar(x + 0.2, [r.get("peak_rss_bytes", 0) / MiB for r in rows], 0.4, label="measured peak RSS")
+    ax.scatter(x, [r["budget_bytes"] / MiB for r in rows], marker="_", s=900, color="red", label="budget")
+    for xi, r in zip(x, rows):
+        if "tokens_per_second" in r:
+            ax.annotate(f"{r['tokens_per_second']:.1f} tok/s", (xi, r["estimated_bytes"] / MiB), ha="center",
+                        va="bottom", fontsize=7, xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(x, [f"{r['budget_bytes'] / 2**30:g} GiB\n{CONFIG_NAMES[r['drafter']]}\nn_ctx {r['n_ctx']}"
+                      for r in rows], fontsize=7)
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(settings, budgets: list[int], opts) -> int:
+    """The sweep as `bench --memory-budget A,B,...` runs it (`opts`: the bench's Options; one
+    prompt per kind): progress on stderr, table on stdout, JSON as budgets.json beside --out."""
+    from .workloads import default_workloads, load_workloads
+
+    def say(text):
+        print(text, file=sys.stderr, flush=True)
+    items = load_workloads(opts.workloads or str(default_workloads()), opts.kinds, opts.limit)
+    prompts = list({it["kind"]: it for it in reversed(items)}.values())[::-1]  # the first of each kind
+    report = sweep(settings, budgets, prompts, max_tokens=opts.bench_tokens, say=say)
+    out_path = Path(opts.out).with_name("budgets.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2))
+    print(format_table(report))
+    print(f"\nJSON: {out_path}")
+    png = plot(report, out_path.with_suffix(".png"))
+    if png:
+        print(f"chart: {png}")
+    return 0

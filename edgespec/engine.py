@@ -646,10 +646,12 @@ class Engine:
         return restore
 
     def _save_slot(self):
-        from .promptcache import Slot
+        from .promptcache import MIN_TOKENS, Slot, common_prefix
         toks, data = self.target.save_state()
         draft = self._draft_backend()
-        dstate = draft.save_state() if draft is not None and draft.n_past > 0 else None
+        # auto's draft model may hold another conversation (it catches up only when it drafts)
+        dstate = (draft.save_state() if draft is not None
+                  and common_prefix(draft.tokens, toks) >= min(MIN_TOKENS, draft.n_past) > 0 else None)
         return Slot(toks, data, dstate, self._prompt_row)
 
     def _load_slot(self, slot) -> None:

@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     print("                 median TTFT, turns 2+")
     for k in ("cache", "no cache"):
         print(f"  {k:<12} {1000 * med[k]:10.0f} ms")
-    print(f"  ratio        {summary['ratio']:10.2f}x   (answers identical in {summary['identical_answers']})")
+    print(f"  ratio        {summary['ratio']:10.2f}x   (answers the same with and without: "
+          f"{summary['identical_answers']}; without the cache a prompt is evaluated again and may round otherwise)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
     return 0

@@ -116,6 +116,7 @@ class LlamaBackend:
         self._stray = False
         self._piece_buf = ctypes.create_string_buffer(256)
         self._longest = None
+        self._specials = None
 
     # -- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
@@ -150,6 +151,21 @@ class LlamaBackend:
                 longest = max(longest, abs(n))
             self._longest = longest
         return self._longest
+
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every control and user-defined token ("<|im_end|>", "<tool_call>"): what
+        tokenizing with special=True reads differently from plain text. Computed once."""
+        if self._specials is None:
+            L = _llama()
+            wanted = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
+            found = set()
+            for t in range(self.n_vocab):
+                if L.llama_vocab_get_attr(self._vocab, t) & wanted:
+                    text = self.token_to_piece(t, special=True).decode("utf-8", "replace")
+                    if text:
+                        found.add(text)
+            self._specials = tuple(sorted(found))
+        return self._specials
 
     def guidance_tokenizer(self):
         """llguidance's tokenizer over this vocabulary; every end-of-generation token counts as

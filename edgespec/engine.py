@@ -498,8 +498,13 @@ class Engine:
             self._check_size(text)
             # usually no message holds control-token text, and the prompt is tokenized whole
             # (as llama.cpp does); otherwise piece by piece, contents as plain text
-            if all(t.tokenize(m["content"], add_bos=False, special=True)
-                   == t.tokenize(m["content"], add_bos=False, special=False) for m in messages):
+            specials = getattr(t, "special_texts", None)
+            if specials is not None:
+                plain = not any(sp in m["content"] for m in messages for sp in specials())
+            else:
+                plain = all(t.tokenize(m["content"], add_bos=False, special=True)
+                            == t.tokenize(m["content"], add_bos=False, special=False) for m in messages)
+            if plain:
                 tokens = t.tokenize(text, add_bos=True, special=True)
             else:
                 tokens = t.tokenize("", add_bos=True, special=False)

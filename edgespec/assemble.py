@@ -1,6 +1,7 @@
-"""From settings to a running Engine: resolve the files, check the pair, fit the memory budget,
-load the backends, build the drafter, calibrate. The CLI, the benchmark, the library and the
-server all go through `Settings` and `build`."""
+"""From settings to the parts of a running Engine: resolve the files, check the pair, fit the
+memory budget, load the backends, build the drafter, calibrate. The CLI, the benchmark, the
+library and the server all go through `Settings` and `Engine.from_settings` (which calls
+`load_parts`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -233,11 +234,11 @@ def check_context(settings: Settings, t_info, d_info=None) -> None:
                          "--ctx (see `edgespec plan`)")
 
 
-def build(settings: Settings, *, download: bool = True, calibrate: str = "auto",
-          progress: Optional[ProgressCallback] = None):
-    """Load the models and drafter that `settings` describe and return an Engine."""
+def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "auto",
+               progress: Optional[ProgressCallback] = None):
+    """Load the models and drafter that `settings` describe: (target backend, drafter or None,
+    prompt cache or None), what `Engine.from_settings` puts together (this module knows no Engine)."""
     from .backend import LlamaBackend
-    from .engine import Engine
     from .ggufinfo import check_pair, read_info
 
     settings.validate()
@@ -270,8 +271,8 @@ def build(settings: Settings, *, download: bool = True, calibrate: str = "auto",
                               threads=settings.threads, flash_attn=settings.flash_attn, verbose=settings.verbose)
         from .promptcache import PromptCache
         cache_bytes = settings.cache_bytes()
-        return Engine(tb, make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate,
-                                       progress=progress), cache=PromptCache(cache_bytes) if cache_bytes else None)
+        return (tb, make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate, progress=progress),
+                PromptCache(cache_bytes) if cache_bytes else None)
     except BaseException:
         if db is not None:
             db.close()

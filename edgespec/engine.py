@@ -266,13 +266,27 @@ class Engine:
         device once, then use the cached figures), "now" (measure again) or "never" (cached
         figures or cautious defaults that the engine corrects as it runs); `progress` receives
         `progress.Progress` reports for downloads and calibration."""
-        from .assemble import Settings, build
+        from .assemble import Settings
         known = Settings.__dataclass_fields__
         unknown = sorted(set(settings) - set(known))
         if unknown:
             raise UsageError(f"unknown setting {unknown[0]!r}; the settings are {', '.join(known)}")
-        return build(Settings(target=target, draft=draft, drafter=drafter, **settings),
-                     download=download, calibrate=calibrate, progress=progress)
+        return cls.from_settings(Settings(target=target, draft=draft, drafter=drafter, **settings),
+                                 download=download, calibrate=calibrate, progress=progress)
+
+    @classmethod
+    def from_settings(cls, settings, *, download: bool = True, calibrate: str = "auto", progress=None
+                      ) -> "Engine":
+        """An Engine for an `assemble.Settings` (the CLI, the server and the benchmarks build one)."""
+        from .assemble import load_parts
+        target, drafter, cache = load_parts(settings, download=download, calibrate=calibrate, progress=progress)
+        try:
+            return cls(target, drafter, cache)
+        except BaseException:
+            if drafter is not None:
+                drafter.close()
+            target.close()
+            raise
 
     # -- lifecycle ------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -182,7 +182,6 @@ def _acceptance(main, ptoks, n, gamma, seed) -> dict:
 
 def main(settings, opts: Options, progress=None) -> int:
     """Run the benchmark that `opts` describes on the models of `settings`; print the table."""
-    from ..assemble import build
     from ..engine import Engine
 
     if opts.structured:
@@ -192,7 +191,7 @@ def main(settings, opts: Options, progress=None) -> int:
     if settings.memory_budget is not None:
         from .memory import memory_bench
         return memory_bench(settings, opts, items)
-    spec = build(settings, progress=progress)
+    spec = Engine.from_settings(settings, progress=progress)
     with spec:
         plain = Engine(spec.target, None)
         engines = _engines(spec, opts.modes, opts.sweep, settings.gamma)

@@ -56,7 +56,8 @@ def run(engine, n: int, turns: int, max_tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from ..assemble import Settings, build
+    from ..assemble import Settings
+    from ..engine import Engine
     from ..cli import ProgressBar
     p = argparse.ArgumentParser(prog="python -m edgespec.bench.conversations", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     for label, cache in (("cache", None), ("no cache", 0)):
         settings = Settings(target=a.target or a.pair, drafter=a.drafter, n_ctx=a.ctx, threads=a.threads,
                             cache_ram=cache)
-        with build(settings, progress=ProgressBar()) as eng:
+        with Engine.from_settings(settings, progress=ProgressBar()) as eng:
             eng.chat([{"role": "user", "content": "Hello"}], max_tokens=2)  # warm-up
             eng.reset()
             results[label] = run(eng, a.conversations, a.turns, a.max_tokens)

@@ -398,9 +398,9 @@ def format_tables(rows: list[dict], summary: dict) -> str:
 
 def main(settings, opts, progress=None) -> int:
     """The structured benchmark that `opts` describes, on the models of `settings`."""
-    from ..assemble import build
+    from ..engine import Engine
     items = load(opts.workloads, opts.limit)
-    spec = build(settings, progress=progress)
+    spec = Engine.from_settings(settings, progress=progress)
     with spec:
         peer = (GrammarPeer(spec.target.path, spec.target.n_ctx, spec.target.threads)
                 if "grammar-peer" in opts.modes else None)

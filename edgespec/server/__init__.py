@@ -4,9 +4,9 @@ command.py is the verb (the only part that writes to the terminal); app.py the A
 its routes; schemas.py the request bodies and response objects; worker.py the engine thread and
 the request queue. `create_app` is importable for embedding the app in another ASGI server.
 """
-from .command import add_parser, main
+from .command import add_parser
 
-__all__ = ["add_parser", "main", "create_app"]
+__all__ = ["add_parser", "create_app"]
 
 
 def __getattr__(name):

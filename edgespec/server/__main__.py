@@ -1,6 +1,7 @@
+"""`python -m edgespec.server`: the serve verb on its own (the CLI registers it as `serve`)."""
 import sys
 
-from .command import main
+from ..cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import socket
-import sys
 import threading
 from pathlib import Path
 
@@ -37,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import _add_model_args
+    from ..frontend import _add_model_args
     _add_model_args(p)
     p.add_argument("--host", default=DEFAULT_HOST, metavar="ADDR",
                    help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
@@ -125,7 +124,7 @@ def _stopped(signum, frame):
 
 
 def cmd_serve(args) -> int:
-    from ..cli import ProgressBar, notice, settings_from_args
+    from ..frontend import ProgressBar, notice, settings_from_args
     settings = settings_from_args(args, cache_ram=args.cache_ram)  # every flag checked before anything binds
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -148,7 +147,7 @@ def cmd_serve(args) -> int:
     for name in args.allowed_host:
         if name.strip() != "*" and not split_host(name)[0]:
             raise UsageError(f"--allowed-host {name!r} is not a host name: give NAME or NAME:PORT")
-    from ..assemble import build
+    from ..engine import Engine
 
     check_model(settings)
     sock = bind(args.host, args.port)
@@ -174,7 +173,8 @@ def cmd_serve(args) -> int:
 
     hosts = HostRule(args.allowed_host, port=port, listen=args.host,
                      any_address=args.host in ("0.0.0.0", "::", "[::]", ""))
-    app = create_app(lambda: build(settings, progress=ProgressBar()), model_id=name, api_key=args.api_key,
+    app = create_app(lambda: Engine.from_settings(settings, progress=ProgressBar()), model_id=name,
+                     api_key=args.api_key,
                      cors_origins=args.cors_origin, hosts=hosts, queue_size=args.queue_size,
                      context_overflow=args.context_overflow,
                      on_ready=on_ready, on_load_error=on_load_error)
@@ -201,9 +201,3 @@ def cmd_serve(args) -> int:
             raise exc
         raise EdgespecError(f"loading failed: {type(exc).__name__}: {exc}") from exc
     return 0
-
-
-def main(argv=None) -> int:
-    """`python -m edgespec.server`: the serve verb on its own (the CLI registers it as `serve`)."""
-    from ..cli import main as cli_main
-    return cli_main(["serve", *(argv if argv is not None else sys.argv[1:])])

@@ -1,0 +1,196 @@
+"""What the CLI verbs and `serve` share: the model and sampling flags, the Settings and Request
+they become, notices and progress bars on the terminal. One module, so that neither imports the
+other (the server's verb lives in server/command.py, the rest in cli.py)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .errors import UsageError
+
+PROG = "edgespec"
+
+
+class _Stderr(logging.Handler):
+    """The library's notices, one line each on whatever sys.stderr is when they come (a handler
+    bound to the stream of the moment writes to a closed one once tests swap streams)."""
+
+    def emit(self, record):
+        try:
+            sys.stderr.write(f"{PROG}: {record.getMessage()}\n")
+        except (OSError, ValueError):
+            pass
+
+
+def notice(text: str) -> None:
+    """One line for the person at the terminal (verbs such as `serve` that report as they go)."""
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
+def _setup_logging(verbose: bool):
+    """Show the library's notices while a verb runs; returns the undo (the CLI may be called
+    in-process, by tests or an app, and must not leave a handler on the library's logger)."""
+    log = logging.getLogger("edgespec")
+    handler, level = _Stderr(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if verbose else logging.WARNING)
+
+    def undo():
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return undo
+
+
+class ProgressBar:
+    """Turns the library's Progress reports into one self-rewriting line on a terminal
+    (nothing at all when stderr is not a terminal)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self._last = None
+
+    def __call__(self, p) -> None:
+        if not self.live:
+            return
+        if p.unit == "bytes":
+            done = f"{p.done / 2**20:,.0f}" + (f"/{p.total / 2**20:,.0f} MiB" if p.total else " MiB")
+        else:
+            done = f"{p.done:.0f}" + (f"/{p.total:.0f}" if p.total else "")
+        frac = p.fraction
+        bar = ""
+        if frac is not None:
+            n = int(24 * min(1.0, frac))
+            bar = "[" + "#" * n + "." * (24 - n) + "] "
+        label = {"download": "downloading", "verify": "checking sha256", "calibrate": "calibrating this device"}
+        line = f"\r{label.get(p.task, p.task)} {p.detail} {bar}{done}"
+        self.stream.write(line[:200].ljust(80))
+        if frac is not None and frac >= 1.0:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as for every other bad input
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
+    p.add_argument("pair", nargs="?", metavar="PAIR",
+                   help="model pair name from models.toml (default: the file's default pair)")
+    p.add_argument("--target", metavar="PATH", help="target GGUF file (instead of a pair)")
+    p.add_argument("--draft", metavar="PATH", help="draft GGUF file (overrides the pair's draft)")
+    if drafter:
+        from .assemble import REGISTRY
+        p.add_argument("--drafter", default="auto", metavar="MODE",
+                       help="; ".join(f"{k.name}: {k.help}" for k in REGISTRY.values()) + " (default auto)")
+    p.add_argument("--models", metavar="FILE", help="your own models.toml, extending the built-in one "
+                   "(also $EDGESPEC_MODELS)")
+    p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context size in tokens (default 4096)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: physical cores)")
+    p.add_argument("--n-gpu-layers", type=int, default=-1, metavar="N",
+                   help="target layers to offload to the GPU; -1 = all, 0 = CPU only (default -1)")
+    p.add_argument("--draft-n-gpu-layers", type=int, default=-1, metavar="N",
+                   help="draft layers to offload to the GPU (default -1)")
+    p.add_argument("--gamma", type=int, default=4, metavar="N",
+                   help="draft length per round for --drafter model/ngram (default 4; auto chooses its own)")
+    p.add_argument("--memory-budget", metavar="SIZE", default=None,
+                   help="e.g. 2GiB, 1500MB, 2g: drop the draft model for n-grams when it would not fit")
+    _add_flash_attn_arg(p)
+    p.add_argument("--verbose", action="store_true", help="show llama.cpp's own logs")
+
+
+def _add_flash_attn_arg(p: argparse.ArgumentParser) -> None:
+    from .assemble import FLASH_ATTN, Settings
+    p.add_argument("--flash-attn", choices=FLASH_ATTN, default=Settings.flash_attn,
+                   help=f"llama.cpp's flash attention (default {Settings.flash_attn}): off materialises "
+                   "attention scores for every cached position, hundreds of MiB at long contexts; "
+                   "see README, \"Memory\"")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens to generate at most (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1]; 1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens below P x the top probability")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE|JSON",
+                   help="answer with JSON valid against this JSON Schema (a file, or the schema itself); '{}' "
+                   "or '{\"type\": \"object\"}' for any JSON object")
+    c.add_argument("--regex", metavar="RE", help="answer with text matching this regular expression")
+    c.add_argument("--grammar", metavar="FILE", help="answer in this grammar: Lark (llguidance's syntax) or "
+                   "llama.cpp GBNF (root ::= ...)")
+
+
+def _check_arg_text(flag: str, text):
+    """argv and stdin bytes that are not UTF-8 arrive as lone surrogates: say so in one line."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{flag} is not valid UTF-8 text: pass UTF-8") from None
+    return text
+
+
+def _read_spec(flag: str, value: str, *, file_only: bool = False) -> str:
+    """A flag that names a file or, unless `file_only`, holds the text itself."""
+    from pathlib import Path
+    path = Path(value)
+    looks_inline = value.lstrip().startswith(("{", "["))
+    if file_only or (not looks_inline and path.exists()):
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"{flag} file {value} is not UTF-8 text") from None
+        except OSError as exc:
+            raise UsageError(f"cannot read {flag} file {value}: {exc.strerror or exc}") from None
+    if not looks_inline:
+        raise UsageError(f"{flag} {value!r} is neither a file nor JSON text")
+    return value
+
+
+def request_from_args(args):
+    """The one Request of a CLI call, checked before anything loads."""
+    from .request import Request
+    for s in args.stop:
+        _check_arg_text("--stop", s)
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    constraint = {}
+    if getattr(args, "json_schema", None) is not None:
+        constraint["json_schema"] = _read_spec("--json-schema", args.json_schema)
+    if getattr(args, "regex", None) is not None:
+        constraint["regex"] = _check_arg_text("--regex", args.regex)
+    if getattr(args, "grammar", None) is not None:
+        constraint["grammar"] = _read_spec("--grammar", args.grammar, file_only=True)
+    return Request.build(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop), **constraint)
+
+
+def settings_from_args(args, **overrides):
+    """The one Settings object the library, the benchmark and the server share."""
+    from .assemble import Settings
+    if getattr(args, "target", None) and getattr(args, "pair", None):
+        raise UsageError("give either a pair name or --target PATH, not both")
+    fields = dict(target=args.target or args.pair, draft=args.draft, drafter=getattr(args, "drafter", "auto"),
+                  n_ctx=args.ctx, threads=getattr(args, "threads", None), n_gpu_layers=args.n_gpu_layers,
+                  draft_n_gpu_layers=args.draft_n_gpu_layers, gamma=getattr(args, "gamma", 4),
+                  memory_budget=args.memory_budget, models_file=args.models,
+                  verbose=getattr(args, "verbose", False))
+    if getattr(args, "flash_attn", None) is not None:
+        fields["flash_attn"] = args.flash_attn
+    fields.update(overrides)
+    return Settings(**fields).validate()
+
+
+def load_engine(args, **overrides):
+    from .engine import Engine
+    return Engine.from_settings(settings_from_args(args, **overrides), progress=ProgressBar())
+
+
+# -- run ------------------------------------------------------------------------------------

@@ -98,6 +98,7 @@ class Settings:
     gamma: int = 4                     # draft length of the fixed-length drafters (model, ngram)
     memory_budget: Union[int, str, None] = None
     cache_ram: Union[int, str, None] = None  # prompt cache in host RAM (bytes or "512MiB"; 0: none; None: default)
+    cache_dir: Optional[str] = None          # and on disk, for restarts (None: not on disk)
     models_file: Optional[str] = None
     verbose: bool = False              # llama.cpp's own logs
     flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (README, "Memory")
@@ -119,7 +120,7 @@ class Settings:
                              f"got {self.flash_attn!r}")
         _check_int("n_gpu_layers", self.n_gpu_layers, -1)
         _check_int("draft_n_gpu_layers", self.draft_n_gpu_layers, -1)
-        for name in ("target", "draft", "models_file"):
+        for name in ("target", "draft", "models_file", "cache_dir"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, Path)):
                 raise UsageError(f"{name} must be a path or a name, got {type(v).__name__}")
@@ -269,10 +270,12 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
         if draft_path:
             db = LlamaBackend(draft_path, n_ctx=settings.n_ctx, n_gpu_layers=settings.draft_n_gpu_layers,
                               threads=settings.threads, flash_attn=settings.flash_attn, verbose=settings.verbose)
-        from .promptcache import PromptCache
+        from .promptcache import DiskCache, PromptCache
         cache_bytes = settings.cache_bytes()
+        disk = DiskCache(settings.cache_dir, DiskCache.identity_of(tb)) if settings.cache_dir else None
+        cache = PromptCache(cache_bytes, disk) if cache_bytes or disk is not None else None
         return (tb, make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate, progress=progress),
-                PromptCache(cache_bytes) if cache_bytes else None)
+                cache)
     except BaseException:
         if db is not None:
             db.close()

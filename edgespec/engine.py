@@ -328,6 +328,13 @@ class Engine:
             if active is not None:
                 active._invalidate(EngineClosedError("this engine was closed while the stream was open"))
                 self._release(active)
+            cache = self.cache
+            if cache is not None and cache.disk is not None and getattr(self.target, "n_past", 0) >= 32:
+                try:  # the conversation in the context, for the next start
+                    cache.disk.put(self._save_slot())
+                except Exception as exc:
+                    import logging
+                    logging.getLogger("edgespec").warning("prompt cache: could not save the last conversation: %s", exc)
             if self.drafter is not None:
                 self.drafter.close()
             self.target.close()
@@ -650,19 +657,36 @@ class Engine:
         saved conversation was restored."""
         from .promptcache import MIN_TOKENS, common_prefix
         cache, target = self.cache, self.target
-        if cache is None or cache.capacity <= 0 or not hasattr(target, "save_state"):
+        if cache is None or (cache.capacity <= 0 and cache.disk is None) or not hasattr(target, "save_state"):
             return False
         head = tokens[:-1]  # the last prompt token is always evaluated (its row is needed)
         live = common_prefix(target.tokens, head)
         slot, n = cache.best(head)
+        if cache.disk is not None:
+            path, on_disk = cache.disk.best(head)
+            if on_disk > max(n, live):
+                loaded = cache.disk.load(path)  # None when damaged or foreign: refused, not loaded
+                if loaded is not None:
+                    slot, n = loaded, on_disk
         restore = slot is not None and n > live
         if restore:
             cache.take(slot)  # before saving the live slot could evict it
         if target.n_past - live >= MIN_TOKENS or (restore and target.n_past >= MIN_TOKENS):
-            cache.put(self._save_slot())
+            self._stash()
         if restore:
             self._load_slot(slot)
         return restore
+
+    def _stash(self) -> None:
+        slot = self._save_slot()
+        self.cache.put(slot)
+        if self.cache.disk is not None:
+            try:
+                self.cache.disk.put(slot)
+            except OSError as exc:  # a full disk costs the restart's prefill, not this request
+                import logging
+                logging.getLogger("edgespec").warning("prompt cache: could not write to %s: %s",
+                                                      self.cache.disk.dir, exc)
 
     def _save_slot(self):
         from .promptcache import MIN_TOKENS, Slot, common_prefix

@@ -11,8 +11,14 @@ exactly as if it had never left.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import tempfile
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -51,10 +57,11 @@ class PromptCache:
     """Slots by the tokens they hold, least recently used first out, at most `capacity` bytes.
     Thread-safe (the engine uses it under its own lock; stats are read from anywhere)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, disk: Optional["DiskCache"] = None):
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self.capacity = capacity
+        self.disk = disk  # slots are also written there, and looked up there when RAM has none
         self._slots: "OrderedDict[tuple[int, ...], Slot]" = OrderedDict()
         self._lock = threading.Lock()
         self.bytes = 0
@@ -106,5 +113,133 @@ class PromptCache:
             self.bytes = 0
 
     def describe(self) -> dict:
-        return {"capacity_bytes": self.capacity, "bytes": self.bytes, "entries": len(self._slots),
-                "hits": self.hits, "stores": self.stores, "evictions": self.evictions}
+        out = {"capacity_bytes": self.capacity, "bytes": self.bytes, "entries": len(self._slots),
+               "hits": self.hits, "stores": self.stores, "evictions": self.evictions}
+        if self.disk is not None:
+            out["disk"] = {"dir": str(self.disk.dir), "entries": len(self.disk._index), "refused": self.disk.refused}
+        return out
+
+
+# -- on disk ----------------------------------------------------------------------------------
+MAGIC = "edgespec-slot-1"
+
+
+class DiskCache:
+    """Slots in files under `directory`, for an app that restarts with the same long system
+    prompt. Each file holds one slot: a JSON header line (the model's identity, the tokens, the
+    payload's size and sha256) and the states. An entry is used only when its identity matches
+    this model file, llama.cpp build and context settings and its payload hashes right; anything
+    else is refused (and removed), never loaded. At most `capacity` bytes, oldest out."""
+
+    def __init__(self, directory, identity: str, capacity: int = 4 * 2**30):
+        self.dir = Path(directory)
+        self.identity = identity
+        self.capacity = capacity
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.refused = 0
+        self._index: dict[tuple[int, ...], Path] = {}
+        for f in sorted(self.dir.glob("*.slot"), key=lambda f: f.stat().st_mtime):
+            head = self._header(f)
+            if head is not None and head.get("identity") == identity:
+                self._index[tuple(head["tokens"])] = f
+
+    @staticmethod
+    def identity_of(backend) -> str:
+        """What a saved state depends on: the model file, the llama.cpp build, the context."""
+        import llama_cpp
+        st = backend.path.stat()
+        facts = {"file": str(backend.path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
+                 "llama_cpp": getattr(llama_cpp, "__version__", "?"),
+                 "system": llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
+                 "settings": backend.settings}
+        return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+    def _header(self, path) -> Optional[dict]:
+        try:
+            with open(path, "rb") as fh:
+                line = fh.readline(1 << 22)
+            head = json.loads(line)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(head, dict) or head.get("magic") != MAGIC or not isinstance(head.get("tokens"), list):
+            return None
+        return head
+
+    def best(self, tokens) -> tuple[Optional[Path], int]:
+        best, n = None, 0
+        for toks, path in self._index.items():
+            k = common_prefix(toks, tokens)
+            if k > n:
+                best, n = path, k
+        return (best, n) if n >= MIN_TOKENS else (None, 0)
+
+    def load(self, path) -> Optional[Slot]:
+        """The slot in `path`, or None (and the file removed) when it is damaged or foreign."""
+        try:
+            with open(path, "rb") as fh:
+                head = json.loads(fh.readline(1 << 22))
+                payload = fh.read()
+            ok = (isinstance(head, dict) and head.get("magic") == MAGIC and head.get("identity") == self.identity
+                  and len(payload) == head.get("size") and hashlib.sha256(payload).hexdigest() == head.get("sha256"))
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            self._refuse(path)
+            return None
+        t_len, d_len = head["target_bytes"], head.get("draft_bytes", 0)
+        draft = (tuple(head["draft_tokens"]), payload[t_len:t_len + d_len]) if d_len else None
+        return Slot(tuple(head["tokens"]), bytearray(payload[:t_len]), draft, None)
+
+    def _refuse(self, path) -> None:
+        logging.getLogger("edgespec").warning("prompt cache: %s is damaged or from another model or build; "
+                                              "not used (removed)", path.name)
+        self.refused += 1
+        self._index = {k: v for k, v in self._index.items() if v != path}
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    def put(self, slot: Slot) -> None:
+        if len(slot.tokens) < MIN_TOKENS:
+            return
+        payload = bytes(slot.target) + (bytes(slot.draft[1]) if slot.draft else b"")
+        head = {"magic": MAGIC, "identity": self.identity, "tokens": list(slot.tokens),
+                "target_bytes": len(slot.target), "size": len(payload),
+                "sha256": hashlib.sha256(payload).hexdigest()}
+        if slot.draft:
+            head.update(draft_tokens=list(slot.draft[0]), draft_bytes=len(slot.draft[1]))
+        name = hashlib.sha256(json.dumps(head["tokens"]).encode()).hexdigest()[:32] + ".slot"
+        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(json.dumps(head).encode() + b"\n")
+                fh.write(payload)
+            os.replace(tmp, self.dir / name)  # never half-written under its own name
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        for key in [k for k in self._index if common_prefix(k, slot.tokens) == len(k)]:
+            old = self._index.pop(key)
+            if old.name != name:
+                try:
+                    old.unlink()
+                except OSError:
+                    pass
+        self._index[slot.tokens] = self.dir / name
+        self._trim()
+
+    def _trim(self) -> None:
+        files = sorted(self.dir.glob("*.slot"), key=lambda f: f.stat().st_mtime)
+        total = sum(f.stat().st_size for f in files)
+        while files and total > self.capacity:
+            f = files.pop(0)
+            total -= f.stat().st_size
+            self._index = {k: v for k, v in self._index.items() if v != f}
+            try:
+                f.unlink()
+            except OSError:
+                pass

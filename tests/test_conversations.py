@@ -175,3 +175,31 @@ def test_server_overflow_is_400_context_length_exceeded(cached_server, smol, tmp
         assert r.json()["edgespec"]["dropped_messages"] > 0
     finally:
         assert srv.stop() == 0
+
+
+def test_a_restart_restores_from_disk_and_a_damaged_entry_is_refused(smol, tmp_path, caplog):
+    import logging
+    conv = [{"role": "system", "content": SYSTEMS[1] * 2}, {"role": "user", "content": QUESTIONS[1][0]}]
+    kw = dict(drafter="ngram", n_ctx=1024, threads=1, cache_ram=0)
+    with Engine.load(str(smol), **kw) as eng:
+        want = eng.chat(conv, max_tokens=10).tokens  # no cache at all: the conversation alone
+    with Engine.load(str(smol), cache_dir=str(tmp_path), **kw) as eng:
+        first = eng.chat(conv, max_tokens=10)
+        assert first.stats.restored_prompt_tokens == 0 and first.tokens == want
+    files = list(tmp_path.glob("*.slot"))
+    assert len(files) == 1 and not list(tmp_path.glob("*.part"))  # written whole, under its own name at once
+    with Engine.load(str(smol), cache_dir=str(tmp_path), **kw) as eng:  # the app restarts
+        again = eng.chat(conv, max_tokens=10)
+    assert again.tokens == want and again.stats.restored_prompt_tokens > again.stats.prompt_tokens - 30
+    data = bytearray(files[0].read_bytes())
+    data[-100] ^= 0xFF  # one flipped bit in the KV state
+    files[0].write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="edgespec"):
+        with Engine.load(str(smol), cache_dir=str(tmp_path), **kw) as eng:
+            damaged = eng.chat(conv, max_tokens=10)
+            refused = eng.cache.describe()["disk"]["refused"]
+    assert damaged.stats.restored_prompt_tokens == 0 and damaged.tokens == want and refused == 1
+    assert "damaged or from another model or build" in caplog.text
+    with Engine.load(str(smol), cache_dir=str(tmp_path), **dict(kw, n_ctx=512)) as eng:  # another context
+        other = eng.chat(conv, max_tokens=10)
+    assert other.stats.restored_prompt_tokens == 0  # an entry of other settings is never used

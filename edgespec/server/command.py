@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host RAM for the KV caches of conversations that may come back (e.g. 512MiB; 0 = off): "
                    "a chat that returns after another one skips the prefill of what it had. Default: a tenth "
                    "of --memory-budget or of the free RAM, at most 1 GiB")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="also keep the conversations' KV caches in DIR, so that a restart with the same long "
+                   "system prompt skips its prefill (entries of another model file or llama.cpp build are refused)")
     p.add_argument("--context-overflow", choices=("error", "drop-oldest"), default="error",
                    help="a conversation longer than the context: 400 context_length_exceeded (default), or "
                    "drop-oldest: keep the system message and drop the oldest turns until it fits")
@@ -125,7 +128,8 @@ def _stopped(signum, frame):
 
 def cmd_serve(args) -> int:
     from ..frontend import ProgressBar, notice, settings_from_args
-    settings = settings_from_args(args, cache_ram=args.cache_ram)  # every flag checked before anything binds
+    # every flag checked before anything binds
+    settings = settings_from_args(args, cache_ram=args.cache_ram, cache_dir=args.cache_dir)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.queue_size < 0:

@@ -269,10 +269,96 @@ class Generic(Format):
         return text, []
 
 
+class Llama3(Format):
+    """Llama 3.1-3.3: a call is the whole answer, one JSON object {"name", "parameters"}, after
+    `<|python_tag|>` or not; results come back in `ipython` turns (the template renders them)."""
+
+    name = "llama3"
+    TAG = "<|python_tag|>"
+
+    def grammar(self, spec: ToolSpec) -> Optional[str]:
+        if spec.choice == "none":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in spec.callable_tools()]
+        call = "call: " + _json_lark(calls[0] if len(calls) == 1 else {"anyOf": calls}) + "\n"
+        if spec.choice in ("required", "function"):
+            return "start: call\n" + call
+        return "start: TEXT | call\nTEXT: /(?s:[^{].*)/\n" + call  # free text, or a call from its first brace
+
+    def render_messages(self, messages, spec):
+        out = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{"type": "function", "id": c.get("id"),
+                                    "function": {"name": c.get("function", c).get("name"), "arguments": _arguments(c)}}
+                                   for c in m["tool_calls"]]
+            out.append(m)
+        extra = {"tools": [t.openai() for t in spec.tools]} if spec is not None and spec.choice != "none" else {}
+        return out, extra
+
+    def parse(self, text: str, spec: Optional[ToolSpec] = None) -> tuple[str, list[ToolCall]]:
+        body = text.strip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):].strip()
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+            args = obj.get("parameters", obj.get("arguments", {}))
+            if isinstance(args, dict) and (spec is None or obj["name"] in {t.name for t in spec.tools}):
+                return "", [ToolCall(new_call_id(), obj["name"], args)]
+        return text, []
+
+
+class Mistral(Format):
+    """Mistral / Mixtral instruct v0.3+: `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}."""
+
+    name = "mistral"
+    TAG = "[TOOL_CALLS]"
+
+    def grammar(self, spec: ToolSpec) -> Optional[str]:
+        if spec.choice == "none":
+            return None
+        most = None if spec.parallel and spec.choice != "function" else 1
+        array = {"type": "array", "items": spec.call_schema(), "minItems": 1}
+        if most:
+            array["maxItems"] = most
+        # the marker is a control token of these vocabularies: llguidance names it by its text
+        call = f"calls: <{self.TAG}> " + _json_lark(array) + "\n"
+        if spec.choice in ("required", "function"):
+            return "start: calls\n" + call
+        return "start: TEXT | calls\nTEXT: /(?s:.+)/\n" + call
+
+    def render_messages(self, messages, spec):
+        return Llama3.render_messages(self, messages, spec)
+
+    def parse(self, text: str, spec: Optional[ToolSpec] = None) -> tuple[str, list[ToolCall]]:
+        at = text.find(self.TAG)
+        if at < 0:
+            return text, []
+        try:
+            items = json.loads(text[at + len(self.TAG):].strip())
+        except json.JSONDecodeError:
+            return text, []
+        calls = [ToolCall(new_call_id(), c["name"], c.get("arguments", {})) for c in (items if isinstance(items, list)
+                 else [items]) if isinstance(c, dict) and isinstance(c.get("name"), str)
+                 and isinstance(c.get("arguments", {}), dict)]
+        return (text[:at].strip(), calls) if calls else (text, [])
+
+
 def detect(template: Optional[str]) -> Format:
     """The tool-call format a chat template speaks."""
-    if template and "<tool_call>" in template:
+    if not template:
+        return Generic()
+    if "<tool_call>" in template:
         return Hermes()
+    if "[TOOL_CALLS]" in template:
+        return Mistral()
+    if "<|python_tag|>" in template or "ipython" in template:
+        return Llama3()
     return Generic()
 
 
@@ -289,8 +375,8 @@ class StreamParser:
 
     def feed(self, piece: str) -> str:
         self.text += piece
-        if isinstance(self.fmt, Generic):
-            return ""  # one JSON object: known only when complete
+        if not isinstance(self.fmt, Hermes):
+            return ""  # a JSON answer (generic, Llama 3) or list (Mistral): known only when complete
         out = []
         while True:
             if self.inside:
@@ -317,7 +403,7 @@ class StreamParser:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet shown, the calls)."""
         content, calls = self.fmt.parse(self.text, self.spec)
-        if isinstance(self.fmt, Generic):
+        if not isinstance(self.fmt, Hermes):
             return content, calls
         if calls and not self.inside and Hermes.OPEN not in self.text:  # a bare call (no markup)
             return "", calls

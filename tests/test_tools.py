@@ -186,3 +186,30 @@ def test_tool_calls_on_the_qwen_pair_in_its_own_format(qwen_pair, tmp_path):
             assert "17" in answer
     finally:
         assert srv.stop() == 0
+
+
+def test_llama3_and_mistral_formats_on_fixed_strings():
+    from edgespec.tools import Llama3, Mistral
+    spec = ToolSpec.build(TOOLS)
+    assert isinstance(detect("{% if message.role == 'ipython' %}<|python_tag|>{% endif %}"), Llama3)
+    assert isinstance(detect("{{ '[TOOL_CALLS]' }}{{ tool_calls | tojson }}"), Mistral)
+    content, calls = Llama3().parse('<|python_tag|>{"name": "get_time", "parameters": {"city": "Oslo"}}', spec)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_time", {"city": "Oslo"})]
+    assert Llama3().parse('{"name": "rm_rf", "parameters": {}}', spec)[1] == []  # not a function of the request
+    assert Llama3().parse("It is sunny.", spec) == ("It is sunny.", [])
+    text = 'Checking. [TOOL_CALLS] [{"name": "get_time", "arguments": {"city": "Lima"}}, ' \
+           '{"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius"}}]'
+    content, calls = Mistral().parse(text, spec)
+    assert content == "Checking." and [c.name for c in calls] == ["get_time", "get_weather"]
+    for fmt in (Llama3(), Mistral()):
+        g = fmt.grammar(ToolSpec.build(TOOLS, "required"))
+        assert "%json" in g and "get_weather" in g and fmt.grammar(ToolSpec.build(TOOLS, "none")) is None
+        msgs = validate_messages(ASK + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Lima"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"}])
+        out, extra = fmt.render_messages(msgs, spec)
+        assert out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Lima"} and len(extra["tools"]) == 2
+        parser = StreamParser(fmt, spec)
+        assert parser.feed(text) == ""  # held until the answer is complete
+    from llguidance import LLMatcher
+    assert not LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(Llama3().grammar(ToolSpec.build(TOOLS))))

@@ -157,7 +157,8 @@ def test_run_survives_a_fifo_or_device_at_its_calibration_path_twice(cache, tmp_
         measured.append(1)
         return calibrate.Calibration(Costs(tuple(0.01 * k for k in range(1, calibrate.MAX_ROWS + 1))), "calibrated")
     monkeypatch.setattr(calibrate, "measure", fake_measure)
-    b = LlamaBackend(smol, n_ctx=512, threads=1)  # the key the run below will have
+    from edgespec.assemble import Settings
+    b = LlamaBackend(smol, n_ctx=512, threads=1, flash_attn=Settings.flash_attn)  # the key the run below will have
     try:
         path = calibrate._key_path(calibrate.calibration_key(b))
     finally:

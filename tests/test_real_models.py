@@ -16,10 +16,10 @@ PROMPTS = [
 ]
 
 
-def llama_cpp_greedy(path, prompt_tokens, n, n_ctx=1024):
+def llama_cpp_greedy(path, prompt_tokens, n, n_ctx=1024, flash_attn=False):
     """Plain greedy decoding by llama-cpp-python's own high-level Llama: the reference."""
     import llama_cpp
-    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, verbose=False, n_threads=2)
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, verbose=False, n_threads=2, flash_attn=flash_attn)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     out = []
     for tok in llm.generate(prompt_tokens, top_k=1, temp=0.0, repeat_penalty=1.0):
@@ -32,13 +32,15 @@ def llama_cpp_greedy(path, prompt_tokens, n, n_ctx=1024):
     return out
 
 
-def test_plain_decoding_equals_llama_cpp_python_greedy(smol):
-    with Engine.load(str(smol), drafter="none", n_ctx=1024) as eng:
+@pytest.mark.parametrize("flash_attn", ["auto", "off"])
+def test_plain_decoding_equals_llama_cpp_python_greedy(smol, flash_attn):
+    # exactness is defined against the same configuration: auto is on for llama.cpp's CPU backend
+    with Engine.load(str(smol), drafter="none", n_ctx=1024, flash_attn=flash_attn) as eng:
         for prompt in PROMPTS:
             ptoks = eng.chat_tokens([{"role": "user", "content": prompt}])
             ours = eng.generate(ptoks, max_tokens=48).tokens
             assert len(ours) >= 16
-            assert ours == llama_cpp_greedy(smol, ptoks, 48)
+            assert ours == llama_cpp_greedy(smol, ptoks, 48, flash_attn=flash_attn != "off")
 
 
 # llama.cpp computes a multi-token batch with other kernels than a single token, so logits of

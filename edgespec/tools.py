@@ -57,7 +57,7 @@ class ToolSpec:
     tools: tuple[Tool, ...]
     choice: str = "auto"            # auto | none | required | function
     function: Optional[str] = None  # the one function when choice == "function"
-    parallel: bool = True
+    parallel: bool = False
 
     @classmethod
     def build(cls, tools, tool_choice=None, parallel_tool_calls=None) -> Optional["ToolSpec"]:
@@ -102,7 +102,8 @@ class ToolSpec:
             if tool_choice not in CHOICES:
                 raise UsageError(f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}")
             choice = tool_choice
-        return cls(tuple(out), choice, function, parallel_tool_calls is not False)
+        # one call unless asked for more, as llama.cpp's server does: small models otherwise repeat a call
+        return cls(tuple(out), choice, function, parallel_tool_calls is True)
 
     def callable_tools(self) -> tuple[Tool, ...]:
         return tuple(t for t in self.tools if self.function is None or t.name == self.function)

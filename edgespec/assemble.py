@@ -272,7 +272,9 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
                               threads=settings.threads, flash_attn=settings.flash_attn, verbose=settings.verbose)
         from .promptcache import DiskCache, PromptCache
         cache_bytes = settings.cache_bytes()
-        disk = DiskCache(settings.cache_dir, DiskCache.identity_of(tb)) if settings.cache_dir else None
+        disk = (DiskCache(settings.cache_dir, DiskCache.identity_of(tb),
+                          draft_identity=DiskCache.identity_of(db) if db is not None else None)
+                if settings.cache_dir else None)
         cache = PromptCache(cache_bytes, disk) if cache_bytes or disk is not None else None
         return (tb, make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate, progress=progress),
                 cache)

@@ -110,6 +110,21 @@ def _stop_prefix(text: str, stop: tuple[str, ...]) -> int:
     return 0
 
 
+def _no_control_text(messages, specials) -> None:
+    """Tool-call names, ids and arguments reach the template outside the message contents (which
+    are tokenized as plain text): control-token text there would open turns of its own."""
+    import json
+    for i, m in enumerate(messages):
+        fields = [str(m.get("tool_call_id") or "")]
+        for c in m.get("tool_calls") or ():
+            fields.append(json.dumps(c, ensure_ascii=False))
+        for text in fields:
+            hit = next((sp for sp in specials if sp in text), None)
+            if hit is not None:
+                raise UsageError(f"message {i} has the control token {hit!r} in a tool call's name, id or arguments: "
+                                 "remove it")
+
+
 def _legal(draft: Draft, guide: Guide) -> Draft:
     """The draft cut at its first token the constraint forbids."""
     n = guide.legal_prefix(draft.tokens)
@@ -425,9 +440,13 @@ class Engine:
             return
         longest = getattr(self.target, "longest_piece", None)
         nbytes = len(text.encode("utf-8"))
-        if longest is not None and nbytes > n_ctx * longest():
-            raise UsageError(f"the prompt is {nbytes:,} bytes, more than {n_ctx} tokens of this model can hold: "
-                             "shorten it or raise --ctx")
+        if longest is None:
+            return
+        with self._reading():  # it reads the vocabulary (once): close() must wait for it
+            most = longest()
+        if nbytes > n_ctx * most:
+            raise ContextLengthError(f"the prompt is {nbytes:,} bytes, more than {n_ctx} tokens of this model can "
+                                     "hold: shorten it or raise --ctx", prompt_tokens=nbytes // most, n_ctx=n_ctx)
 
     def prompt_tokens(self, prompt: Union[str, Sequence[int]], *, room: int = 1) -> list[int]:
         """The token ids `stream` would generate from, checked against the context with `room`
@@ -475,8 +494,13 @@ class Engine:
                 keep = [i for i, m in enumerate(messages) if m.get("role") != "system"]
                 if overflow == "error" or len(keep) <= 1:
                     raise
-                del messages[keep[0]]
-                dropped += 1
+                first = keep[0]
+                gone = 1
+                if messages[first].get("tool_calls"):  # a call goes with the results that answer it
+                    while first + gone < len(messages) - 1 and messages[first + gone].get("role") == "tool":
+                        gone += 1
+                del messages[first:first + gone]
+                dropped += gone
 
     def prepare_chat(self, messages, request: Optional[Request] = None, *, room: Optional[int] = None,
                      overflow: str = "error") -> "ChatPrompt":
@@ -493,6 +517,9 @@ class Engine:
                                             for m in messages if isinstance(m, dict)):
             with self._reading() as t:
                 fmt = detect(t.chat_template())
+                if fmt.name == "mistral":  # its marker is a control token: the grammar names it by id
+                    ids = t.tokenize(fmt.TAG, add_bos=False, special=True)
+                    fmt.marker_id = ids[0] if len(ids) == 1 else None
             messages, extra = fmt.render_messages(list(messages), request.tools)
             if request.tools is not None:
                 grammar = fmt.grammar(request.tools)
@@ -521,6 +548,7 @@ class Engine:
             # (as llama.cpp does); otherwise piece by piece, contents as plain text
             specials = getattr(t, "special_texts", None)
             if specials is not None:
+                _no_control_text(messages, specials())
                 plain = not any(sp in m["content"] for m in messages for sp in specials())
             else:
                 plain = all(t.tokenize(m["content"], add_bos=False, special=True)
@@ -668,13 +696,21 @@ class Engine:
                 loaded = cache.disk.load(path)  # None when damaged or foreign: refused, not loaded
                 if loaded is not None:
                     slot, n = loaded, on_disk
+                    slot.path = path
         restore = slot is not None and n > live
         if restore:
             cache.take(slot)  # before saving the live slot could evict it
         if target.n_past - live >= MIN_TOKENS or (restore and target.n_past >= MIN_TOKENS):
             self._stash()
         if restore:
-            self._load_slot(slot)
+            try:
+                self._load_slot(slot)
+            except BackendError:
+                if getattr(slot, "path", None) is None:
+                    raise
+                cache.disk._refuse(slot.path)  # llama.cpp would not take it: never again
+                target.reset()
+                return False
         return restore
 
     def _stash(self) -> None:
@@ -701,9 +737,12 @@ class Engine:
         self.target.load_state(slot.tokens, slot.target)
         draft = self._draft_backend()
         if draft is not None:
-            if slot.draft is not None:
-                draft.load_state(*slot.draft)
-            else:
+            try:
+                if slot.draft is not None:
+                    draft.load_state(*slot.draft)
+                else:
+                    draft.reset()
+            except BackendError:  # a saved draft state of another draft model: it catches up instead
                 draft.reset()
         self._prompt_row = slot.prompt_row
 

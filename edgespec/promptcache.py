@@ -37,6 +37,7 @@ class Slot:
     draft: Optional[tuple[tuple[int, ...], bytes]] = None
     prompt_row: Optional[tuple] = None
     nbytes: int = field(init=False, default=0)
+    path: Optional[Path] = field(default=None, compare=False)  # where a slot read from disk came from
 
     def __post_init__(self):
         row = self.prompt_row[1].nbytes if self.prompt_row is not None else 0
@@ -131,17 +132,21 @@ class DiskCache:
     this model file, llama.cpp build and context settings and its payload hashes right; anything
     else is refused (and removed), never loaded. At most `capacity` bytes, oldest out."""
 
-    def __init__(self, directory, identity: str, capacity: int = 4 * 2**30):
+    def __init__(self, directory, identity: str, capacity: int = 4 * 2**30, draft_identity: Optional[str] = None):
         self.dir = Path(directory)
         self.identity = identity
+        self.draft_identity = draft_identity  # a saved draft state is used only with the same draft model
         self.capacity = capacity
         self.dir.mkdir(parents=True, exist_ok=True)
         self.refused = 0
         self._index: dict[tuple[int, ...], Path] = {}
-        for f in sorted(self.dir.glob("*.slot"), key=lambda f: f.stat().st_mtime):
+        for f in sorted(self.dir.glob("*.slot"), key=_mtime):
             head = self._header(f)
             if head is not None and head.get("identity") == identity:
-                self._index[tuple(head["tokens"])] = f
+                try:
+                    self._index[tuple(int(t) for t in head["tokens"])] = f
+                except (TypeError, ValueError):
+                    continue
 
     @staticmethod
     def identity_of(backend) -> str:
@@ -186,9 +191,15 @@ class DiskCache:
         if not ok:
             self._refuse(path)
             return None
-        t_len, d_len = head["target_bytes"], head.get("draft_bytes", 0)
-        draft = (tuple(head["draft_tokens"]), payload[t_len:t_len + d_len]) if d_len else None
-        return Slot(tuple(head["tokens"]), bytearray(payload[:t_len]), draft, None)
+        try:
+            t_len, d_len = int(head["target_bytes"]), int(head.get("draft_bytes", 0))
+            tokens = tuple(int(t) for t in head["tokens"])
+            same_draft = d_len and head.get("draft_identity") == self.draft_identity is not None
+            draft = (tuple(int(t) for t in head["draft_tokens"]), payload[t_len:t_len + d_len]) if same_draft else None
+        except (KeyError, TypeError, ValueError):
+            self._refuse(path)
+            return None
+        return Slot(tokens, bytearray(payload[:t_len]), draft, None)
 
     def _refuse(self, path) -> None:
         logging.getLogger("edgespec").warning("prompt cache: %s is damaged or from another model or build; "
@@ -207,8 +218,12 @@ class DiskCache:
         head = {"magic": MAGIC, "identity": self.identity, "tokens": list(slot.tokens),
                 "target_bytes": len(slot.target), "size": len(payload),
                 "sha256": hashlib.sha256(payload).hexdigest()}
-        if slot.draft:
-            head.update(draft_tokens=list(slot.draft[0]), draft_bytes=len(slot.draft[1]))
+        if slot.draft and self.draft_identity is not None:
+            head.update(draft_tokens=list(slot.draft[0]), draft_bytes=len(slot.draft[1]),
+                        draft_identity=self.draft_identity)
+        else:
+            payload = bytes(slot.target)
+            head.update(size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
         name = hashlib.sha256(json.dumps(head["tokens"]).encode()).hexdigest()[:32] + ".slot"
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".part")
         try:
@@ -233,13 +248,27 @@ class DiskCache:
         self._trim()
 
     def _trim(self) -> None:
-        files = sorted(self.dir.glob("*.slot"), key=lambda f: f.stat().st_mtime)
-        total = sum(f.stat().st_size for f in files)
+        files = sorted(self.dir.glob("*.slot"), key=_mtime)
+        total = sum(_size(f) for f in files)
         while files and total > self.capacity:
             f = files.pop(0)
-            total -= f.stat().st_size
+            total -= _size(f)
             self._index = {k: v for k, v in self._index.items() if v != f}
             try:
                 f.unlink()
             except OSError:
                 pass
+
+
+def _mtime(f: Path) -> float:
+    try:
+        return f.stat().st_mtime
+    except OSError:  # another process removed it meanwhile
+        return 0.0
+
+
+def _size(f: Path) -> int:
+    try:
+        return f.stat().st_size
+    except OSError:
+        return 0

@@ -108,12 +108,43 @@ class ToolSpec:
     def callable_tools(self) -> tuple[Tool, ...]:
         return tuple(t for t in self.tools if self.function is None or t.name == self.function)
 
-    def call_schema(self) -> dict:
-        """One call: {"name": one of the functions, "arguments": valid against its parameters}."""
-        options = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                    "required": ["name", "arguments"], "additionalProperties": False}
-                   for t in self.callable_tools()]
-        return options[0] if len(options) == 1 else {"anyOf": options}
+    def call_schema(self, args_key: str = "arguments") -> dict:
+        """One call: {"name": one of the functions, args_key: valid against its parameters}. Each
+        tool's $defs move to the root (renamed per tool), where its $refs still find them."""
+        defs: dict = {}
+        options = []
+        for i, t in enumerate(self.callable_tools()):
+            params = _hoist_defs(t.parameters, f"t{i}_", defs)
+            options.append({"type": "object", "properties": {"name": {"const": t.name}, args_key: params},
+                            "required": ["name", args_key], "additionalProperties": False})
+        out = options[0] if len(options) == 1 else {"anyOf": options}
+        if defs:
+            out = {**out, "$defs": defs}
+        return out
+
+
+def _hoist_defs(schema: dict, prefix: str, into: dict) -> dict:
+    """`schema` without its own $defs / definitions, which go to `into` under `prefix`ed names;
+    its local $refs rewritten to match (so it can sit anywhere inside a larger schema)."""
+    local = {}
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                local[f"#/{key}/{name}"] = f"#/$defs/{prefix}{name}"
+    if not local:
+        return schema
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            return {k: (local.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v))
+                    for k, v in node.items() if k not in ("$defs", "definitions") or node is not schema}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.get(key) or {}).items():
+            into[f"{prefix}{name}"] = rewrite(sub)
+    return rewrite(schema)
 
 
 def _check_schema(schema: dict, where: str) -> None:
@@ -150,7 +181,7 @@ def _arguments(call: dict) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise UsageError(f"the arguments of tool call {fn.get('name')!r} are not JSON: {args[:80]!r}") from None
     if not isinstance(args, dict):
         raise UsageError(f"the arguments of tool call {fn.get('name')!r} must be a JSON object")
@@ -214,13 +245,17 @@ class Generic(Format):
     name = "generic"
 
     def _answer_schema(self, spec: ToolSpec) -> dict:
-        call = {"type": "object", "properties": {"tool_call": spec.call_schema()}, "required": ["tool_call"],
+        inner = spec.call_schema()
+        defs = inner.pop("$defs", None)  # back at the root, where the rewritten $refs point
+        call = {"type": "object", "properties": {"tool_call": inner}, "required": ["tool_call"],
                 "additionalProperties": False}
         if spec.choice in ("required", "function"):
-            return call
-        reply = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
-                 "additionalProperties": False}
-        return {"anyOf": [call, reply]}
+            out = call
+        else:
+            reply = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
+                     "additionalProperties": False}
+            out = {"anyOf": [call, reply]}
+        return {**out, "$defs": defs} if defs else out
 
     def grammar(self, spec: ToolSpec) -> Optional[str]:
         if spec.choice == "none":
@@ -280,9 +315,7 @@ class Llama3(Format):
     def grammar(self, spec: ToolSpec) -> Optional[str]:
         if spec.choice == "none":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in spec.callable_tools()]
-        call = "call: " + _json_lark(calls[0] if len(calls) == 1 else {"anyOf": calls}) + "\n"
+        call = "call: " + _json_lark(spec.call_schema("parameters")) + "\n"
         if spec.choice in ("required", "function"):
             return "start: call\n" + call
         return "start: TEXT | call\nTEXT: /(?s:[^{].*)/\n" + call  # free text, or a call from its first brace
@@ -319,25 +352,37 @@ class Mistral(Format):
 
     name = "mistral"
     TAG = "[TOOL_CALLS]"
+    marker_id: Optional[int] = None  # set from the vocabulary (Engine.prepare_chat)
 
     def grammar(self, spec: ToolSpec) -> Optional[str]:
         if spec.choice == "none":
             return None
         most = None if spec.parallel and spec.choice != "function" else 1
-        array = {"type": "array", "items": spec.call_schema(), "minItems": 1}
+        items = spec.call_schema()
+        defs = items.pop("$defs", None)
+        array = {"type": "array", "items": items, "minItems": 1, **({"$defs": defs} if defs else {})}
         if most:
             array["maxItems"] = most
-        # the marker is a control token of these vocabularies: llguidance names it by its text
-        call = f"calls: <{self.TAG}> " + _json_lark(array) + "\n"
+        # the marker is a control token of these vocabularies: llguidance names it by its id
+        marker = f"<[{self.marker_id}]>" if self.marker_id is not None else json.dumps(self.TAG)
+        call = f"calls: {marker} " + _json_lark(array) + "\n"
         if spec.choice in ("required", "function"):
             return "start: calls\n" + call
         return "start: TEXT | calls\nTEXT: /(?s:.+)/\n" + call
 
     def render_messages(self, messages, spec):
-        return Llama3.render_messages(self, messages, spec)
+        out, extra = Llama3.render_messages(self, messages, spec)
+        for m in out:  # its templates insist on 9-character alphanumeric call ids
+            if m.get("tool_calls"):
+                m["tool_calls"] = [dict(c, id=_short_id(c.get("id"))) for c in m["tool_calls"]]
+            if m.get("tool_call_id") is not None:
+                m["tool_call_id"] = _short_id(m["tool_call_id"])
+        return out, extra
 
     def parse(self, text: str, spec: Optional[ToolSpec] = None) -> tuple[str, list[ToolCall]]:
         at = text.find(self.TAG)
+        if at < 0 and text.lstrip().startswith("["):  # the marker is a control token: not in the text
+            text, at = self.TAG + text, 0
         if at < 0:
             return text, []
         try:
@@ -348,6 +393,11 @@ class Mistral(Format):
                  else [items]) if isinstance(c, dict) and isinstance(c.get("name"), str)
                  and isinstance(c.get("arguments", {}), dict)]
         return (text[:at].strip(), calls) if calls else (text, [])
+
+
+def _short_id(cid) -> str:
+    import hashlib
+    return hashlib.sha1(str(cid).encode()).hexdigest()[:9]
 
 
 def detect(template: Optional[str]) -> Format:
@@ -373,6 +423,7 @@ class StreamParser:
     text: str = ""
     shown: int = 0       # text[:shown] has been shown or belongs to a call
     inside: bool = False
+    opened: int = 0      # where the last call marker began
 
     def feed(self, piece: str) -> str:
         self.text += piece
@@ -389,8 +440,10 @@ class StreamParser:
             opened = self.text.find(Hermes.OPEN, self.shown)
             if opened >= 0:
                 out.append(self.text[self.shown:opened])
-                self.shown, self.inside = opened + len(Hermes.OPEN), True
+                self.shown, self.inside, self.opened = opened + len(Hermes.OPEN), True, opened
                 continue
+            if self.spec is not None and not self.text[:self.shown].strip() and self.text.lstrip().startswith("{"):
+                return "".join(out)  # may be a call written without its markup: known at the end
             # hold back a tail that could be the start of the marker
             safe = len(self.text)
             for k in range(min(len(Hermes.OPEN) - 1, len(self.text) - self.shown), 0, -1):
@@ -406,8 +459,11 @@ class StreamParser:
         content, calls = self.fmt.parse(self.text, self.spec)
         if not isinstance(self.fmt, Hermes):
             return content, calls
-        if calls and not self.inside and Hermes.OPEN not in self.text:  # a bare call (no markup)
+        if calls and Hermes.OPEN not in self.text:  # a bare call (no markup), held back whole
             return "", calls
-        rest = "" if self.inside else self.text[self.shown:]
+        if self.inside and not calls:  # the marker's text in a plain answer: nothing was a call
+            rest = self.text[self.opened:]
+        else:
+            rest = "" if self.inside else self.text[self.shown:]
         self.shown = len(self.text)
         return rest, calls

@@ -165,3 +165,11 @@ def test_bad_cors_origin_and_allowed_host_flags_are_one_line_errors(smol):
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr
         assert what in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_host_values_that_cannot_be_parsed_are_refused_not_crashed():
+    from edgespec.server.guard import HostRule, split_host
+    assert split_host("localhost:\xb2") == ("", None) and split_host("localhost:99999") == ("", None)
+    rule = HostRule(port=8080)
+    assert not rule.allows("localhost:\xb2") and not rule.allows("localhost:8080.evil.com")
+    assert rule.allows("LOCALHOST:8080") and rule.allows("[::1]:8080") and not rule.allows("localhost:8081")

@@ -77,6 +77,8 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
             await sched.close()
 
     app = FastAPI(title="edgespec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # as the Guard compares them, and as browsers send them: lower case, no trailing slash
+    cors_origins = [o if o == "*" else o.strip().rstrip("/").lower() for o in cors_origins]
     if cors_origins:  # closed unless asked: a web page must not drive a local model by default
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

@@ -136,6 +136,8 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--queue-size must be >= 0, got {args.queue_size}")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty")
+    if args.api_key is not None and args.api_key != args.api_key.strip():
+        raise UsageError("--api-key begins or ends with whitespace, which no client sends: remove it")
     try:
         import uvicorn
 

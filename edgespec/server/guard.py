@@ -42,7 +42,7 @@ def split_host(value: str) -> tuple[str, Optional[int]]:
         return value, None
     else:
         return value, None
-    if not port.isdigit():
+    if not (port.isascii() and port.isdigit()) or int(port) > 65535:
         return "", None
     return name, int(port)
 

@@ -1,10 +1,10 @@
 """Request bodies of the OpenAI API subset this server speaks, and the response objects.
 
 Bodies are pydantic models in strict mode (JSON `true` is not a max_tokens of 1, `"5"` is not
-5), and ignore fields they do not know: OpenAI clients send many (user, store, metadata,
-parallel_tool_calls...) that mean nothing for a local model. Fields that would change the shape
-of the answer and that this server cannot honour (n > 1, logprobs, echo, suffix) are refused
-with a 400 instead of being silently dropped. Range checks are the engine's own (one source of
+5). Fields that cannot change the answer (user, store, metadata...) are ignored; every other
+field this server does not implement (logit_bias, n > 1, logprobs, echo, suffix, a field from a
+later API) is refused with a 400 naming it unless it holds its neutral value
+(`check_extra_fields`), never silently dropped. Range checks are the engine's own (one source of
 truth), run here so that a bad request never waits in the queue.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ from .drafters import NO_DRAFT, Draft, Round
 from .errors import (BackendError, ContextLengthError, DamagedModelError, EdgespecError, EngineClosedError,
                      UsageError)
 from .constraints import Guide, mask_logits, tokenizer_for
-from .request import Request, check_seed, check_text
+from .request import Request, check_text
 from .sampling import verify, verify_greedy, warp
 from .tools import StreamParser
 
@@ -96,7 +96,6 @@ class StreamEvent:
     tool_calls: Optional[list] = None    # the closing event of a request with tools: its calls
 
 
-_check_seed, _check_text = check_seed, check_text  # their old names
 _rng = np.random.default_rng  # the loop's source of randomness (tests enumerate every draw through it)
 
 
@@ -141,12 +140,14 @@ def _pad(rows: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass
 class ChatPrompt:
+    """A request ready to stream: its prompt tokens, checked, and its compiled constraint."""
     tokens: list[int]
     request: "Request"
     format: object = None      # tools.Format when the request had tools
     dropped: int = 0           # messages left out (overflow="drop-oldest")
+    guide: Optional[Guide] = None
 
 
 class Stream:
@@ -416,7 +417,7 @@ class Engine:
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of `text` with BOS (when the model uses one); `special=False` reads
         control-token text like "<|im_end|>" as plain text."""
-        _check_text("the prompt", text)
+        check_text("the prompt", text)
         with self._reading() as t:
             return t.tokenize(text, add_bos=True, special=special)
 
@@ -454,7 +455,7 @@ class Engine:
         special tokens parsed), or token ids as they are. Safe to call from any thread, also
         while another request generates."""
         if isinstance(prompt, str):
-            _check_text("the prompt", prompt)
+            check_text("the prompt", prompt)
             self._check_size(prompt)
             tokens = self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
@@ -531,7 +532,7 @@ class Engine:
         tokens, dropped = self.conversation_tokens(messages, room=request.max_tokens if room is None else room,
                                                    overflow=overflow, **extra)
         calls = request.tools is not None and request.tools.choice != "none"  # none: text only, never parsed
-        return ChatPrompt(tokens, request, fmt if calls else None, dropped)
+        return ChatPrompt(tokens, request, fmt if calls else None, dropped, self.guide(request))
 
     def chat_tokens(self, messages, **extra) -> list[int]:
         """The prompt tokens for a conversation, checked against the context (UsageError).
@@ -589,9 +590,18 @@ class Engine:
     def stream_prompt(self, prompt: "ChatPrompt") -> Stream:
         """`stream` for a conversation `prepare_chat` made ready (a server does that off its
         engine thread)."""
-        stream = self.stream(prompt.tokens, prompt.request)
+        stats = GenerationStats(drafter=self.mode, prompt_tokens=len(prompt.tokens))
+        holder: list[Stream] = []
+        # the guide was compiled with the prompt (off the engine thread, in a server); a matcher
+        # follows one generation only, so a prepared prompt is streamed once
+        guide, prompt.guide = prompt.guide, None
+        if guide is None:
+            guide = self.guide(prompt.request)
+        stream = Stream(self, self._events(prompt.tokens, prompt.request, guide, stats, holder), stats)
+        holder.append(stream)
         if prompt.format is not None:
             stream._tools = StreamParser(prompt.format, prompt.request.tools)
+        self._acquire(stream)
         return stream
 
     def stream(self, prompt: Union[str, Sequence[int]], request: Optional[Request] = None, **options) -> Stream:
@@ -606,14 +616,15 @@ class Engine:
         unfinished character) and the finish reason.
         """
         request = Request.of(request, options)
-        tokens = self.prompt_tokens(prompt)
-        guide = self.guide(request)
-        stats = GenerationStats(drafter=self.mode, prompt_tokens=len(tokens))
-        holder: list[Stream] = []
-        stream = Stream(self, self._events(tokens, request, guide, stats, holder), stats)
-        holder.append(stream)
-        self._acquire(stream)
-        return stream
+        return self.stream_prompt(self.prepare_prompt(prompt, request, room=1))
+
+    def prepare_prompt(self, prompt: Union[str, Sequence[int]], request: Optional[Request] = None, *,
+                       room: int = 1) -> "ChatPrompt":
+        """`prepare_chat` for a verbatim prompt: its tokens checked against the context and the
+        request's constraint compiled. Safe from any thread, as `prompt_tokens`."""
+        request = request or Request()
+        tokens = self.prompt_tokens(prompt, room=room)
+        return ChatPrompt(tokens, request, guide=self.guide(request))
 
     def guide(self, request: Request) -> Optional[Guide]:
         """A fresh matcher for the request's constraint (None without one); UsageError when
@@ -773,6 +784,8 @@ class Engine:
         t1 = time.perf_counter()
         stats.prompt_seconds = t1 - t0
         cancelled = holder[0]._cancel
+        # what the grammar drafts ahead: decided once a generation, not every round
+        ahead = (guide.likely if self._rows_cheap() else guide.forced) if guide is not None else None
         try:
             while stats.generated < max_tokens and len(tokens) < n_ctx:
                 if cancelled.is_set():
@@ -783,7 +796,7 @@ class Engine:
                     return
                 room = min(max_tokens - stats.generated - 1, n_ctx - len(tokens) - 1)
                 td = time.perf_counter()
-                draft, inner, n_forced = self._draft(tokens, room, params, rng, guide)
+                draft, inner, n_forced = self._draft(tokens, room, params, rng, guide, ahead)
                 masks = guide.masks(draft.tokens) if guide is not None else None
                 drafts = draft.tokens
                 tv = time.perf_counter()
@@ -867,7 +880,7 @@ class Engine:
         rows = _pad(logits, self.n_vocab)
         return warp(rows if masks is None else mask_logits(rows, masks), params)
 
-    def _draft(self, tokens: list[int], room: int, params, rng, guide: Optional[Guide]):
+    def _draft(self, tokens: list[int], room: int, params, rng, guide: Optional[Guide], ahead=None):
         """This round's draft: the tokens the constraint forces from here (point masses, source
         "grammar": verified like any draft, since the law may still prefer another tokenization
         of the same bytes), then the drafter's proposal after them, cut at its first forbidden
@@ -875,7 +888,7 @@ class Engine:
         drafter = self.drafter
         forced: list[int] = []
         if guide is not None and room > 0 and drafter is not None:  # no drafter: plain decoding
-            forced = (guide.likely() if self._rows_cheap() else guide.forced())[:room]
+            forced = (ahead or guide.forced)()[:room]
             guide.advance(forced)
         try:
             left = room - len(forced)

@@ -19,13 +19,15 @@ class _Stderr(logging.Handler):
     def emit(self, record):
         try:
             sys.stderr.write(f"{PROG}: {record.getMessage()}\n")
+            sys.stderr.flush()
         except (OSError, ValueError):
             pass
 
 
 def notice(text: str) -> None:
-    """One line for the person at the terminal (verbs such as `serve` that report as they go)."""
-    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+    """One line for the person at the terminal (verbs such as `serve` that report as they go):
+    through the `edgespec.cli` logger, which the CLI's handler writes while a verb runs."""
+    logging.getLogger("edgespec.cli").warning(text)
 
 
 def _setup_logging(verbose: bool):

@@ -69,7 +69,7 @@ class Request:
         {"name"}}), `parallel_tool_calls`: as OpenAI's; not with another constraint."""
         params = SamplingParams(temperature, top_k, top_p, min_p)
         check_seed(seed)
-        spec = ToolSpec.build(tools, tool_choice, parallel_tool_calls)
+        spec = tools if isinstance(tools, ToolSpec) else ToolSpec.build(tools, tool_choice, parallel_tool_calls)
         constraint = Constraint.build(json_schema, regex, grammar)
         if spec is not None and constraint is not None:
             raise UsageError("give tools or a json_schema/regex/grammar, not both")

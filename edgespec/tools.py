@@ -188,6 +188,20 @@ def _arguments(call: dict) -> dict:
     return args
 
 
+def _for_template(messages: list[dict], spec: Optional[ToolSpec]) -> tuple[list[dict], dict]:
+    """For templates with tool support: calls with their arguments as objects, the tools offered."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"type": "function", "id": c.get("id"),
+                                "function": {"name": c.get("function", c).get("name"), "arguments": _arguments(c)}}
+                               for c in m["tool_calls"]]
+        out.append(m)
+    extra = {"tools": [t.openai() for t in spec.tools]} if spec is not None and spec.choice != "none" else {}
+    return out, extra
+
+
 class Hermes(Format):
     """<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>, the template renders tools."""
 
@@ -205,16 +219,7 @@ class Hermes(Format):
         return None
 
     def render_messages(self, messages, spec):
-        out = []
-        for m in messages:
-            m = dict(m)
-            if m.get("tool_calls"):
-                m["tool_calls"] = [{"type": "function", "id": c.get("id"),
-                                    "function": {"name": c.get("function", c).get("name"), "arguments": _arguments(c)}}
-                                   for c in m["tool_calls"]]
-            out.append(m)
-        extra = {"tools": [t.openai() for t in spec.tools]} if spec is not None and spec.choice != "none" else {}
-        return out, extra
+        return _for_template(messages, spec)
 
     def parse(self, text: str, spec: Optional[ToolSpec] = None) -> tuple[str, list[ToolCall]]:
         calls = [c for c in map(_call, self.CALL.findall(text)) if c is not None]
@@ -321,16 +326,7 @@ class Llama3(Format):
         return "start: TEXT | call\nTEXT: /(?s:[^{].*)/\n" + call  # free text, or a call from its first brace
 
     def render_messages(self, messages, spec):
-        out = []
-        for m in messages:
-            m = dict(m)
-            if m.get("tool_calls"):
-                m["tool_calls"] = [{"type": "function", "id": c.get("id"),
-                                    "function": {"name": c.get("function", c).get("name"), "arguments": _arguments(c)}}
-                                   for c in m["tool_calls"]]
-            out.append(m)
-        extra = {"tools": [t.openai() for t in spec.tools]} if spec is not None and spec.choice != "none" else {}
-        return out, extra
+        return _for_template(messages, spec)
 
     def parse(self, text: str, spec: Optional[ToolSpec] = None) -> tuple[str, list[ToolCall]]:
         body = text.strip()
@@ -371,7 +367,7 @@ class Mistral(Format):
         return "start: TEXT | calls\nTEXT: /(?s:.+)/\n" + call
 
     def render_messages(self, messages, spec):
-        out, extra = Llama3.render_messages(self, messages, spec)
+        out, extra = _for_template(messages, spec)
         for m in out:  # its templates insist on 9-character alphanumeric call ids
             if m.get("tool_calls"):
                 m["tool_calls"] = [dict(c, id=_short_id(c.get("id"))) for c in m["tool_calls"]]

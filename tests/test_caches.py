@@ -12,18 +12,9 @@ import threading
 import pytest
 
 from edgespec import calibrate, cachefile, probe
-from edgespec.cli import main
 
 from conftest import ROOT
-
-
-def cli(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from test_cli import run_cli as cli
 
 
 def finishes(fn, *args, seconds=60):

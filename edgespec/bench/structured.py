@@ -39,26 +39,12 @@ def default_path() -> Path:
 def load(path: str | None, limit: int | None = None) -> list[dict]:
     """The structured prompts: each a JSON object with id, task, prompt and schema (a JSON
     Schema object); at most `limit` per task."""
+    from .workloads import first_per_group, read_jsonl
     path = Path(path) if path else default_path()
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise UsageError(f"cannot read the structured workloads {path}: {exc.strerror}") from None
-    items, per_task = [], {}
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-            ok = isinstance(item["schema"], dict) and item["task"] in TASKS and item["id"] and item["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            raise UsageError(f"{path}:{n}: expected a JSON object with id, task ({' or '.join(TASKS)}), "
-                             "prompt and schema (an object)")
-        per_task[item["task"]] = per_task.get(item["task"], 0) + 1
-        if limit is None or per_task[item["task"]] <= limit:
-            items.append(item)
+    items = first_per_group(read_jsonl(
+        path, lambda it: isinstance(it["schema"], dict) and it["task"] in TASKS and it["id"] and it["prompt"],
+        f"a JSON object with id, task ({' or '.join(TASKS)}), prompt and schema (an object)",
+        "the structured workloads"), "task", limit)
     if not items:
         raise UsageError(f"no structured workloads in {path}")
     return items

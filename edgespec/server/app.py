@@ -165,8 +165,7 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         messages = body.engine_messages()
         req = body.engine_request(_n_ctx(s))
         room = body.requested_tokens() or 1
-        prompt, guide = await _prepare(s.engine, lambda: s.engine.prepare_chat(
-            messages, req, room=room, overflow=context_overflow), None)
+        prompt = await _prepare(lambda: s.engine.prepare_chat(messages, req, room=room, overflow=context_overflow))
         env = Envelope("chat", model_id)
         env.dropped_messages = prompt.dropped
         return await _answer(s, request, env, body, lambda engine: engine.stream_prompt(prompt))
@@ -177,24 +176,20 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         prompt = body.engine_prompt()
         req = body.engine_request(_n_ctx(s))
         room = body.requested_tokens() or 1
-        tokens, guide = await _prepare(s.engine, lambda: s.engine.prompt_tokens(prompt, room=room), req)
+        ready = await _prepare(lambda: s.engine.prepare_prompt(prompt, req, room=room))
         return await _answer(s, request, Envelope("text", model_id), body,
-                             lambda engine: engine.stream(tokens, req))
+                             lambda engine: engine.stream_prompt(ready))
 
     app.include_router(v1)
     return app
 
 
-async def _prepare(engine, tokenize: Callable[[], list], req) -> tuple[list, Any]:
-    """Tokenize a prompt and check it against the context, and check the request's constraint
-    against the vocabulary (the first one builds llguidance's tokenizer, about a second), on a
-    worker thread, not the engine's (which generates meanwhile) nor the event loop: the queue
-    only ever holds work that fits."""
-    def work():
-        out = tokenize()
-        return out, engine.guide(req if req is not None else out.request)
+async def _prepare(prepare: Callable[[], Any]) -> Any:
+    """Tokenize a prompt, check it against the context and compile its constraint (the first one
+    builds llguidance's tokenizer, about a second) on a worker thread, not the engine's (which
+    generates meanwhile) nor the event loop: the queue only ever holds work that fits."""
     try:
-        return await anyio.to_thread.run_sync(work)
+        return await anyio.to_thread.run_sync(prepare)
     except EdgespecError as exc:
         raise _failure(exc) from None
 

@@ -172,8 +172,8 @@ class _Generation(_Body):
             raise ApiError(400, f"give tools or {field}, not both", param=field)
         if tools.get("tools") or tools.get("tool_choice") not in (None, "none", "auto"):
             from ..tools import ToolSpec
-            try:
-                ToolSpec.build(**tools)
+            try:  # built here, once, so that an error names its field
+                tools = {"tools": ToolSpec.build(**tools)}
             except UsageError as exc:
                 raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
         try:

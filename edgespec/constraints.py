@@ -135,6 +135,7 @@ class Guide:
         self._tok = tokenizer
         self._m = llg.LLMatcher(tokenizer, constraint.grammar, log_level=0)
         self._words = (tokenizer.vocab_size + 31) // 32
+        self._pieces: dict[int, str] = {}
         self._check()
 
     def _check(self) -> None:
@@ -186,6 +187,13 @@ class Guide:
         finally:
             self.rollback(len(forced))
         return forced + list(extra[:n])
+
+    def piece(self, token: int) -> str:
+        """A token's text (what a drafter reads to guess where a quoted value ends)."""
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self._tok.decode_bytes([int(token)]).decode("utf-8", "replace")
+        return text
 
     def legal_prefix(self, tokens: list[int]) -> int:
         return int(self._m.validate_tokens(list(tokens))) if tokens else 0

@@ -7,6 +7,7 @@ from ..policy import Offer
 from . import NO_DRAFT, Draft, Round
 from .copy import CopyDrafter
 from .ngram import NgramDrafter
+from .quote import value_end
 
 
 class AutoDrafter:
@@ -23,6 +24,7 @@ class AutoDrafter:
         self._lag = 1
         self._committed = 0  # tokens committed at the last observe (begin: the prompt)
         self._constrained = False  # the last proposal was made under a constraint
+        self._bound = None  # under a constraint: the continuation's tokens the proposal stood for
 
     @property
     def ngram(self) -> NgramDrafter:
@@ -40,8 +42,12 @@ class AutoDrafter:
             return NO_DRAFT
         m = self.copy.match(tokens, min(room, self.policy.max_gamma))
         cont = m.continuation
+        self._bound = None
         if guide is not None and cont:  # judged as the engine will verify it: cut at its first forbidden token
             cont = cont[:guide.legal_prefix(cont)]
+            if m.in_prompt:  # a value quoted from the prompt: drafted up to where its phrase ends
+                cont = cont[:value_end(cont, guide.piece)]
+            self._bound = len(cont)
         self._constrained = guide is not None
         offer = Offer(m.run, len(cont), m.state, m.risk, m.in_prompt, guide is not None) if cont else None
         self._lag = self._model_lag(tokens)
@@ -64,7 +70,11 @@ class AutoDrafter:
         seen = self.copy.outcome(round.tokens)
         if seen is not None:  # scored whether or not it drafted this round: proposals cost nothing
             m, matched, compared = seen
-            policy.copy_outcome(m.state, m.run, matched, compared, m.in_prompt, self._constrained)
+            if self._bound is not None:  # scored as far as it was offered
+                compared = min(compared, self._bound)
+                matched = min(matched, compared)
+            if compared:
+                policy.copy_outcome(m.state, m.run, matched, compared, m.in_prompt, self._constrained)
         if round.draft.source == "model":
             policy.model_outcome(round.accepted, len(round.draft.tokens))
             policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds, self._lag)

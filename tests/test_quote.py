@@ -7,7 +7,7 @@ from edgespec.drafters.quote import value_end
 from edgespec.policy import Costs, Policy
 from edgespec.sampling import SamplingParams
 
-TEXTS = ["Dana", " Whit", "field", " <", "dana", ".wh", "itfield", "@", "north", ".com", ">", "\n",
+TEXTS = ["'s", "Dana", " Whit", "field", " <", "dana", ".wh", "itfield", "@", "north", ".com", ">", "\n",
          "2", ":", "30", " PM", " in", " floor", ".", " Hi", " -", ",", "(", " \"", "e.g", ". "]
 ID = {t: i for i, t in enumerate(TEXTS)}
 
@@ -35,6 +35,7 @@ def test_a_quoted_value_ends_where_its_phrase_ends():
     assert value_end(toks(" PM", "(",), piece) == 1
     assert value_end(toks(" PM", " \""), piece) == 1                                     # a quote after a space
     assert value_end(toks(" <", "dana"), piece) == 0
+    assert value_end(toks("Dana", "'s", " floor"), piece) == 3                           # an apostrophe stays
     assert value_end([], piece) == 0
 
 

@@ -4,7 +4,7 @@ Under a constraint (a JSON answer), most of a copy drafter's hits are values an 
 quotes from its prompt: a name, an address, a subject line. The source goes on after the value
 ("Dana Whitfield <dana@...>", "...moved to Thursday\\n\\nHi Marcus"), and a copy that runs past
 the value's end wastes a verified row per token. Values end where the source's phrase ends: at
-a line break, a bracket, a comma or semicolon, a quote, a spaced dash, or a full stop, colon or
+a line break, a bracket, a comma or semicolon, a double quote, a spaced dash, or a full stop, colon or
 question mark followed by a space. A copy cut there is accepted far more often: measured on the
 structured workloads (Qwen 1.5B, T = 0), per-token acceptance of fresh in-prompt copies rose
 from 0.68 / 0.87 / 0.88 (run 1 / 2 / 3+, the whole legal continuation) to 0.77 / 0.95 / 0.94,
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-CLOSERS = set("<>()[]{}|;,\"'")   # a token starting with one of these (after spaces) ends a phrase
+CLOSERS = set('<>()[]{}|;,"')     # a token starting with one of these (after spaces) ends a phrase
 BREAKS = set("\n\r\t")             # ... or with a line break or tab
 STOPS = set(".:!?")                # ... or with one of these, when a space or line break follows
 DASHES = {" -", " –", " —"}        # a spaced dash

@@ -29,7 +29,7 @@ N_CTX = 1024
 QUEUE = 2
 # one thread: on this shared two-core machine, llama.cpp with two threads slows ~10x whenever another
 # process is busy (its threads wait for each other); both processes must use the same count
-THREADS = 1
+THREADS = 2
 SERVER_FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--threads", str(THREADS), "--queue-size", str(QUEUE),
                 "--api-key", KEY]
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # SmolLM2 keeps counting: a generation as long as max_tokens

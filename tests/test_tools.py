@@ -106,7 +106,7 @@ def test_a_tool_message_must_answer_a_call():
 @pytest.fixture(scope="module")
 def smol_client(smol, tmp_path_factory):
     from serverproc import ServerProcess
-    srv = ServerProcess(["--target", str(smol), "--ctx", "2048", "--drafter", "auto", "--threads", "1"],
+    srv = ServerProcess(["--target", str(smol), "--ctx", "2048", "--drafter", "auto", "--threads", "2"],
                         tmp_path_factory.mktemp("tools"))
     srv.wait_ready()
     with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300) as c:

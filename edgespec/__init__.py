@@ -1,11 +1,11 @@
 """edgespec: exact speculative decoding for GGUF models on llama.cpp."""
-from .errors import (BackendError, ContextLengthError, DownloadError, EdgespecError, EngineClosedError,
-                     IncompatiblePairError, ModelFileError, RegistryError, UsageError)
+from .errors import (BackendError, ConstraintError, ContextLengthError, DownloadError, EdgespecError,
+                     EngineClosedError, IncompatiblePairError, ModelFileError, RegistryError, UsageError)
 from .progress import Progress
 
 __all__ = ["Engine", "Settings", "Stream", "GenerationResult", "GenerationStats", "StreamEvent", "SamplingParams",
            "Progress", "EdgespecError", "UsageError", "ModelFileError", "IncompatiblePairError", "RegistryError",
-           "DownloadError", "BackendError", "EngineClosedError", "ContextLengthError", "Request"]
+           "DownloadError", "BackendError", "EngineClosedError", "ContextLengthError", "ConstraintError", "Request"]
 
 
 def _version() -> str:

@@ -62,7 +62,10 @@ class Constraint:
                                      f"column {exc.colno})") from None
             if not isinstance(value, dict):
                 raise UsageError(f"a JSON schema is an object, got {type(value).__name__}")
-            source = json.dumps(value, sort_keys=True)
+            try:  # a dict from Python may hold what JSON cannot (sets, int keys, lone surrogates)
+                source = json.dumps(value, sort_keys=True, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise UsageError(f"the JSON schema is not JSON data: {_first_line(exc)}") from None
             try:
                 text = M.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
             except (ValueError, TypeError) as exc:
@@ -70,10 +73,12 @@ class Constraint:
         elif kind == "regex":
             if not isinstance(value, str) or not value:
                 raise UsageError("regex must be a non-empty string")
+            _utf8(value, "regex")
             source, text = value, M.grammar_from_regex(value)
         else:
             if not isinstance(value, str) or not value.strip():
                 raise UsageError("grammar must be non-empty text (Lark, llguidance's syntax, or GBNF)")
+            _utf8(value, "grammar")
             source, text = value, M.grammar_from_lark(_to_lark(value))
         error = M.validate_grammar(text)
         if error:
@@ -82,6 +87,13 @@ class Constraint:
 
     def describe(self) -> str:
         return NAMES[self.kind]
+
+
+def _utf8(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"the {what} is not valid text: {exc.reason} at character {exc.start}") from None
 
 
 def _first_line(exc) -> str:

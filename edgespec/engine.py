@@ -16,8 +16,8 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .drafters import NO_DRAFT, Draft, Round
-from .errors import (BackendError, ContextLengthError, DamagedModelError, EdgespecError, EngineClosedError,
-                     UsageError)
+from .errors import (BackendError, ConstraintError, ContextLengthError, DamagedModelError, EdgespecError,
+                     EngineClosedError, UsageError)
 from .constraints import Guide, mask_logits, tokenizer_for
 from .request import Request, check_text
 from .sampling import verify, verify_greedy, warp
@@ -130,6 +130,11 @@ def _legal(draft: Draft, guide: Guide) -> Draft:
     if n == len(draft.tokens):
         return draft
     return Draft(draft.tokens[:n], None if draft.q is None else draft.q[:n], draft.source)
+
+
+def _only_eog(guide: Guide, target) -> bool:
+    """The constraint allows nothing but end-of-generation next (and is not complete)."""
+    return all(target.is_eog(int(t)) for t in np.flatnonzero(guide.allowed())[:64])
 
 
 def _pad(rows: np.ndarray, width: int) -> np.ndarray:
@@ -632,7 +637,11 @@ class Engine:
         if request.constraint is None:
             return None
         with self._reading() as t:
-            return Guide(request.constraint, tokenizer_for(t), self.n_vocab)
+            guide = Guide(request.constraint, tokenizer_for(t), self.n_vocab)
+            if not guide.accepting and _only_eog(guide, t):  # llguidance compiles some dead grammars
+                raise ConstraintError(f"the {request.constraint.describe()} admits no answer: no text can "
+                                 "complete it (an unsatisfiable schema, regex or grammar)")
+        return guide
 
     def _events(self, prompt_tokens, request: Request, guide, stats, holder) -> Iterator[StreamEvent]:
         """Token ids -> events with printable text, each as soon as it is committed; then one
@@ -786,6 +795,7 @@ class Engine:
         cancelled = holder[0]._cancel
         # what the grammar drafts ahead: decided once a generation, not every round
         ahead = (guide.likely if self._rows_cheap() else guide.forced) if guide is not None else None
+        emitted_all = True  # every committed token was emitted (not cut by max_tokens)
         try:
             while stats.generated < max_tokens and len(tokens) < n_ctx:
                 if cancelled.is_set():
@@ -821,14 +831,21 @@ class Engine:
                     drafter.observe(Round(tokens, inner, max(0, n - n_forced), rows, te - tv, tv - td, fed))
                 for i, tok in enumerate(new):
                     if target.is_eog(tok):
+                        if guide is not None and not guide.accepting:  # the grammar left nothing else
+                            raise ConstraintError(f"the {request.constraint.describe()} cannot be completed "
+                                             "from here: it admits no continuation of this answer")
                         stats.finish_reason = "stop" if guide is not None else "eos"
                         return
                     stats.generated += 1
                     stats.decode_seconds = time.perf_counter() - t1
                     yield tok, i < n
                     if stats.generated >= max_tokens:
+                        emitted_all = i == len(new) - 1
                         break
-            stats.finish_reason = "length" if stats.generated >= max_tokens else "context"
+            if guide is not None and guide.done and emitted_all:  # complete at exactly max_tokens
+                stats.finish_reason = "stop"
+            else:
+                stats.finish_reason = "length" if stats.generated >= max_tokens else "context"
         finally:
             stats.decode_seconds = time.perf_counter() - t1
             describe = getattr(drafter, "describe_costs", None)

@@ -13,6 +13,11 @@ class UsageError(EdgespecError, ValueError):
     exit_code = 2
 
 
+class ConstraintError(UsageError):
+    """A schema, regex or grammar that no text satisfies (found when its matcher starts, or when
+    an answer reaches a dead end of it)."""
+
+
 class ModelFileError(EdgespecError):
     """A GGUF file that is missing, unreadable, truncated or not a GGUF at all."""
 

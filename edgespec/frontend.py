@@ -142,6 +142,8 @@ def _check_arg_text(flag: str, text):
 def _read_spec(flag: str, value: str, *, file_only: bool = False) -> str:
     """A flag that names a file or, unless `file_only`, holds the text itself."""
     from pathlib import Path
+    if not value.strip():
+        raise UsageError(f"{flag} is empty: give a file" + ("" if file_only else " or JSON text"))
     path = Path(value)
     looks_inline = value.lstrip().startswith(("{", "["))
     if file_only or (not looks_inline and path.exists()):

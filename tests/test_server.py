@@ -379,14 +379,31 @@ def test_response_format_json_schema_and_json_object_are_followed(client):
     r = client.completions.create(model="x", prompt="The answer is", max_tokens=8, temperature=0,
                                   extra_body={"json_schema": {"type": "integer"}})
     assert re.fullmatch(r"-?[0-9]+", r.choices[0].text.strip()), r.choices[0].text
+    # an empty schema is any JSON, not no constraint; llama.cpp's json_object with a schema is that schema
+    r = client.completions.create(model="x", prompt="def f(x):", max_tokens=12, temperature=0,
+                                  extra_body={"json_schema": {}})
+    assert r.choices[0].text.lstrip()[:1] in set('{["-0123456789tfn'), r.choices[0].text
+    r = client.chat.completions.create(model="x", messages=EXTRACT, max_tokens=12, temperature=0,
+                                       response_format={"type": "json_object", "schema": {"type": "integer"}})
+    assert re.fullmatch(r"-?[0-9]+", r.choices[0].message.content.strip()), r.choices[0].message.content
 
 
 @pytest.mark.parametrize("fmt, param", [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}, "response_format"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
     ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_object", "schema": [1]}, "response_format.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}},
+                                                                      "$ref": "#/$defs/a"}}}, "response_format"),
 ])
 def test_bad_response_formats_are_400_naming_the_field(client, fmt, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="x", messages=EXTRACT, max_tokens=4, response_format=fmt)
     assert e.value.param == param
+
+
+def test_an_empty_grammar_is_refused_not_ignored(client):
+    for body, param in (({"grammar": ""}, "grammar"), ({"json_schema": {}, "grammar": 'start: "a"'}, "grammar")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="x", prompt="x", max_tokens=4, extra_body=body)
+        assert e.value.param == param, e.value

@@ -68,6 +68,16 @@ def test_a_cut_answer_is_length_and_may_be_incomplete(engines):
     assert r.finish_reason == "length" and len(r.tokens) == 3
 
 
+@pytest.mark.parametrize("mode", ["auto", "none"])
+def test_a_complete_answer_of_exactly_max_tokens_is_stop(engines, mode):
+    full = engines[mode].chat(EXTRACT, max_tokens=60, json_schema=PERSON)
+    assert full.finish_reason == "stop"
+    exact = engines[mode].chat(EXTRACT, max_tokens=len(full.tokens), json_schema=PERSON)
+    assert exact.tokens == full.tokens and exact.finish_reason == "stop"
+    short = engines[mode].chat(EXTRACT, max_tokens=len(full.tokens) - 1, json_schema=PERSON)
+    assert short.finish_reason == "length"
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(json_schema={"type": "wat"}), "JSON schema was refused"),
     (dict(json_schema="{not json"), "not valid JSON"),
@@ -75,6 +85,15 @@ def test_a_cut_answer_is_length_and_may_be_incomplete(engines):
     (dict(regex="a("), "regex was refused"),
     (dict(grammar="root ::= (("), "refused"),
     (dict(regex="a", grammar='start: "a"'), "at most one of"),
+    # what JSON cannot hold, and text that is not text
+    (dict(json_schema={"enum": {1, 2}}), "not JSON data"),
+    (dict(json_schema={"properties": {1: {}, "b": {}}}), "not JSON data"),
+    (dict(regex="\ud800"), "regex is not valid text"),
+    (dict(grammar='start: "\ud800"'), "grammar is not valid text"),
+    # constraints llguidance compiles but no text satisfies
+    (dict(regex="a[^\x00-\U0010FFFF]"), "admits no answer"),
+    (dict(grammar='start: start "a"'), "admits no answer"),
+    (dict(json_schema={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "admits no answer"),
 ])
 def test_bad_constraints_are_usage_errors_before_anything_runs(engines, options, message):
     with pytest.raises(UsageError, match=message) as err:

@@ -26,7 +26,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ..errors import ContextLengthError, EdgespecError, UsageError
+from ..errors import ConstraintError, ContextLengthError, EdgespecError, UsageError
 from . import worker
 from .guard import Guard, HostRule
 from .schemas import ApiError, ChatRequest, CompletionRequest, Envelope, error_body
@@ -165,7 +165,8 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         messages = body.engine_messages()
         req = body.engine_request(_n_ctx(s))
         room = body.requested_tokens() or 1
-        prompt = await _prepare(lambda: s.engine.prepare_chat(messages, req, room=room, overflow=context_overflow))
+        prompt = await _prepare(lambda: s.engine.prepare_chat(messages, req, room=room, overflow=context_overflow),
+                                body.constraint()[1])
         env = Envelope("chat", model_id)
         env.dropped_messages = prompt.dropped
         return await _answer(s, request, env, body, lambda engine: engine.stream_prompt(prompt))
@@ -176,7 +177,7 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         prompt = body.engine_prompt()
         req = body.engine_request(_n_ctx(s))
         room = body.requested_tokens() or 1
-        ready = await _prepare(lambda: s.engine.prepare_prompt(prompt, req, room=room))
+        ready = await _prepare(lambda: s.engine.prepare_prompt(prompt, req, room=room), body.constraint()[1])
         return await _answer(s, request, Envelope("text", model_id), body,
                              lambda engine: engine.stream_prompt(ready))
 
@@ -184,14 +185,14 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
     return app
 
 
-async def _prepare(prepare: Callable[[], Any]) -> Any:
+async def _prepare(prepare: Callable[[], Any], constraint_field: Optional[str] = None) -> Any:
     """Tokenize a prompt, check it against the context and compile its constraint (the first one
     builds llguidance's tokenizer, about a second) on a worker thread, not the engine's (which
     generates meanwhile) nor the event loop: the queue only ever holds work that fits."""
     try:
         return await anyio.to_thread.run_sync(prepare)
     except EdgespecError as exc:
-        raise _failure(exc) from None
+        raise _failure(exc, constraint_field) from None
 
 
 def _json(model: type[BaseModel]):
@@ -265,7 +266,9 @@ async def _collect(job: worker.Job) -> tuple[str, tuple]:
             return "".join(parts), (kind, value)
 
 
-def _failure(exc: BaseException) -> ApiError:
+def _failure(exc: BaseException, constraint_field: Optional[str] = None) -> ApiError:
+    if isinstance(exc, ConstraintError):  # a schema or grammar nothing satisfies: the field it came in
+        return ApiError(400, str(exc), param=constraint_field)
     if isinstance(exc, ContextLengthError):  # OpenAI's code, which clients act on (trim, summarise)
         return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
     if isinstance(exc, UsageError):  # prompt too long for the context, bad token ids, template failure

@@ -116,9 +116,10 @@ class _Generation(_Body):
 
     def constraint(self) -> tuple[dict, Optional[str]]:
         """(Request.build's constraint option, the field it came from)."""
+        # given means present: an empty schema ({}: any JSON) or grammar ("": refused) is not absent
         given = [(name, v) for name, v in (("response_format", self._response_format()), ("json_schema",
-                 self.json_schema and {"json_schema": self.json_schema}), ("grammar", self.grammar and
-                 {"grammar": self.grammar})) if v]
+                 None if self.json_schema is None else {"json_schema": self.json_schema}), ("grammar",
+                 None if self.grammar is None else {"grammar": self.grammar})) if v is not None]
         if len(given) > 1:
             raise ApiError(400, f"give one of {' and '.join(n for n, _ in given)}, not both", param=given[1][0])
         return (given[0][1], given[0][0]) if given else ({}, None)
@@ -130,8 +131,12 @@ class _Generation(_Body):
         kind = rf.get("type")
         if kind == "text":
             return None
-        if kind == "json_object":
-            return {"json_schema": json_object_schema()}
+        if kind == "json_object":  # llama.cpp's server also takes a schema here
+            schema = rf.get("schema")
+            if schema is not None and not isinstance(schema, dict):
+                raise ApiError(400, "response_format schema must be a JSON Schema object",
+                               param="response_format.schema")
+            return {"json_schema": schema if schema is not None else json_object_schema()}
         if kind == "json_schema":
             spec = rf.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None

@@ -19,6 +19,7 @@ from .drafters import NO_DRAFT, Draft, Round
 from .errors import (BackendError, ConstraintError, ContextLengthError, DamagedModelError, EdgespecError,
                      EngineClosedError, UsageError)
 from .constraints import Guide, mask_logits, tokenizer_for
+from .policy import drafts_likely
 from .request import Request, check_text
 from .sampling import verify, verify_greedy, warp
 from .tools import StreamParser
@@ -554,8 +555,9 @@ class Engine:
             # (as llama.cpp does); otherwise piece by piece, contents as plain text
             specials = getattr(t, "special_texts", None)
             if specials is not None:
-                _no_control_text(messages, specials())
-                plain = not any(sp in m["content"] for m in messages for sp in specials())
+                specials = specials()
+                _no_control_text(messages, specials)
+                plain = not any(sp in m["content"] for m in messages for sp in specials)
             else:
                 plain = all(t.tokenize(m["content"], add_bos=False, special=True)
                             == t.tokenize(m["content"], add_bos=False, special=False) for m in messages)
@@ -640,7 +642,7 @@ class Engine:
             guide = Guide(request.constraint, tokenizer_for(t), self.n_vocab)
             if not guide.accepting and _only_eog(guide, t):  # llguidance compiles some dead grammars
                 raise ConstraintError(f"the {request.constraint.describe()} admits no answer: no text can "
-                                 "complete it (an unsatisfiable schema, regex or grammar)")
+                                      "complete it (an unsatisfiable schema, regex or grammar)")
         return guide
 
     def _events(self, prompt_tokens, request: Request, guide, stats, holder) -> Iterator[StreamEvent]:
@@ -794,7 +796,8 @@ class Engine:
         stats.prompt_seconds = t1 - t0
         cancelled = holder[0]._cancel
         # what the grammar drafts ahead: decided once a generation, not every round
-        ahead = (guide.likely if self._rows_cheap() else guide.forced) if guide is not None else None
+        ahead = None if guide is None else (
+            guide.likely if drafts_likely(getattr(drafter, "policy", None)) else guide.forced)
         emitted_all = True  # every committed token was emitted (not cut by max_tokens)
         try:
             while stats.generated < max_tokens and len(tokens) < n_ctx:
@@ -832,8 +835,8 @@ class Engine:
                 for i, tok in enumerate(new):
                     if target.is_eog(tok):
                         if guide is not None and not guide.accepting:  # the grammar left nothing else
-                            raise ConstraintError(f"the {request.constraint.describe()} cannot be completed "
-                                             "from here: it admits no continuation of this answer")
+                            raise ConstraintError(f"the {request.constraint.describe()} cannot be "
+                                                  "completed from here: it admits no continuation of this answer")
                         stats.finish_reason = "stop" if guide is not None else "eos"
                         return
                     stats.generated += 1
@@ -924,15 +927,6 @@ class Engine:
             q[np.arange(len(forced)), forced] = 1.0
             q[len(forced):] = inner.q
         return Draft(forced + inner.tokens, q, "grammar"), inner, len(forced)
-
-    def _rows_cheap(self) -> bool:
-        """Whether a verified row costs well under a decode step here, so that drafting the usual
-        tokenization of forced bytes (right ~9 times in 10) pays: on a GPU it does; on a 2-core
-        CPU a second row costs a whole step (DESIGN 2c) and it loses (replayed on the structured
-        workloads: 1.035x against 1.064x with forced tokens alone). Fixed drafters always draft."""
-        from .policy import rows_cheap
-        policy = getattr(self.drafter, "policy", None)
-        return policy is None or rows_cheap(policy.costs)
 
     @staticmethod
     def _count(stats: GenerationStats, draft, n: int, n_forced: int = 0, source: str = "") -> None:

@@ -170,16 +170,16 @@ def replay(drafter, costs, guide, prompt: list[int], out: list[int]) -> tuple[fl
 
     from ..drafters import NO_DRAFT, Round
     from ..drafters.ngram import agreed
-    from ..policy import rows_cheap
+    from ..policy import drafts_likely
     from ..sampling import SamplingParams
     greedy, rng = SamplingParams(0.0), np.random.default_rng(0)
     tokens, n, i, pend, spent = list(prompt), len(out), 0, 0, 0.0
     got = {"grammar": 0, "none": 0}
     if drafter is not None:
         drafter.begin(tokens)
+    ahead = guide.likely if drafts_likely(getattr(drafter, "policy", None)) else guide.forced  # as the engine
     while i < n:
         room = n - i - 1
-        ahead = guide.likely if rows_cheap(costs) or getattr(drafter, "policy", None) is None else guide.forced
         forced = ahead()[:room] if drafter is not None and room > 0 else []  # as Engine._draft does
         guide.advance(forced)
         left = room - len(forced)

@@ -21,6 +21,7 @@ CLOSERS = set('<>()[]{}|;,"')     # a token starting with one of these (after sp
 BREAKS = set("\n\r\t")             # ... or with a line break or tab
 STOPS = set(".:!?")                # ... or with one of these, when a space or line break follows
 DASHES = {" -", " –", " —"}        # a spaced dash
+SPACES = set(" \n\t\r")
 
 
 def value_end(cont: Sequence[int], piece: Callable[[int], str]) -> int:
@@ -37,9 +38,8 @@ def value_end(cont: Sequence[int], piece: Callable[[int], str]) -> int:
             continue
         if rest[0] in CLOSERS:
             return j
-        if rest[0] in STOPS:  # "." or ". " or ".\n" (not ".com"), then a space or nothing
-            tail = rest[1:]
-            if tail[:1] in (" ", "\n", "\t", "\r") if tail else (
-                    j + 1 == len(cont) or piece(cont[j + 1])[:1] in (" ", "\n", "\t", "\r")):
+        if rest[0] in STOPS:  # "." ". " ".\n" (not ".com"), followed by a space or by nothing
+            after = rest[1:2] or (piece(cont[j + 1])[:1] if j + 1 < len(cont) else " ")
+            if after in SPACES:
                 return j
     return len(cont)

@@ -178,12 +178,16 @@ def resolve_files(settings: Settings, *, download: bool = True, progress: Option
     return Path(target), Path(draft) if draft else None
 
 
+def plan_mode(settings: Settings) -> str:
+    """The drafter as the memory planner counts it ("auto", or a registered drafter's plans_as)."""
+    return settings.drafter if settings.drafter == "auto" else REGISTRY[settings.drafter].plans_as
+
+
 def plan_for(settings: Settings, t_info, d_info, *, budget: Optional[int] = None) -> dict:
     """memory.plan for these settings: their context, drafter, flash attention and the GPU
     layers llama.cpp will really offload (the same for `plan`, `run`, the library and bench)."""
     from .memory import plan
-    mode = settings.drafter if settings.drafter == "auto" else REGISTRY[settings.drafter].plans_as
-    return plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=mode, budget=budget,
+    return plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=plan_mode(settings), budget=budget,
                 gpu_layers=offloaded_layers(settings.n_gpu_layers),
                 draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn)
 
@@ -193,7 +197,7 @@ def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool]:
     trying memory.plan's order: draft model, n-gram, plain decoding."""
     budget = settings.budget_bytes() - settings.cache_bytes()  # the prompt cache lives in the same RAM
     kind = REGISTRY[settings.drafter]
-    mode = settings.drafter if settings.drafter == "auto" else kind.plans_as
+    mode = plan_mode(settings)
     choice = plan_for(settings, t_info, d_info, budget=budget)["choice"]
     if choice.get("n_ctx") != settings.n_ctx:
         raise UsageError(f"{t_info.path.name} does not fit in {budget / 2**30:.2f} GiB even without a drafter "

@@ -223,9 +223,9 @@ def cmd_plan(args) -> int:
             c.pop("parts")
         print(json.dumps(result, indent=1))
         return 0
-    from .assemble import offloaded_layers
+    from .assemble import offloaded_layers, plan_mode
     from .memory import explain
-    print("\n".join(explain(result, t, d, n_ctx=settings.n_ctx, drafter=settings.drafter, budget_given=bool(budget),
+    print("\n".join(explain(result, t, d, n_ctx=settings.n_ctx, drafter=plan_mode(settings), budget_given=bool(budget),
                              gpu_layers=offloaded_layers(settings.n_gpu_layers),
                              draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers),
                              flash_attn=settings.flash_attn)))

@@ -174,3 +174,12 @@ def test_flash_attn_is_a_checked_setting(smol, capsys):
                  "--json"]) == 0
     off = json.loads(capsys.readouterr().out)["choice"]["estimated_bytes"]
     assert off > on  # the planner follows the setting: scores for every cached position without it
+
+
+def test_plan_explains_every_registered_drafter_in_words(smol, smol_draft, capsys):
+    from edgespec.assemble import REGISTRY
+    for name, kind in REGISTRY.items():  # copy plans as an n-gram index: explain looked up "copy", crashed
+        draft = ["--draft", str(smol_draft)] if kind.model == "needs" else []
+        assert main(["plan", "--target", str(smol), *draft, "--ctx", "1024", "--drafter", name]) == 0, name
+        out = capsys.readouterr().out
+        assert out.startswith("Budget: ") and "Wanted: " in out, (name, out)

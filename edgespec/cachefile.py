@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import BinaryIO
 
 MAX_BYTES = 1 << 20  # a calibration or probe record is a few KiB
 
 
-def read_text(path: str | os.PathLike, max_bytes: int = MAX_BYTES) -> str | None:
-    """The file's UTF-8 text, or None when it is missing, not a regular file, larger than
-    `max_bytes`, unreadable or not UTF-8."""
+def open_regular(path: str | os.PathLike, max_bytes: int | None = None) -> BinaryIO | None:
+    """`path` opened for reading in binary, or None when it is missing, unreadable, not a regular
+    file or (with `max_bytes`) larger than that."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
     try:
         fd = os.open(path, flags)  # O_NONBLOCK: a FIFO opens at once instead of waiting for a writer
@@ -23,19 +24,25 @@ def read_text(path: str | os.PathLike, max_bytes: int = MAX_BYTES) -> str | None
         return None
     try:
         st = os.fstat(fd)  # what was opened, after any symlink: not what the name said
-        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+        if stat.S_ISREG(st.st_mode) and (max_bytes is None or st.st_size <= max_bytes):
+            return os.fdopen(fd, "rb")
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def read_text(path: str | os.PathLike, max_bytes: int = MAX_BYTES) -> str | None:
+    """The file's UTF-8 text, or None when it is missing, not a regular file, larger than
+    `max_bytes`, unreadable or not UTF-8."""
+    fh = open_regular(path, max_bytes)
+    if fh is None:
+        return None
+    try:
+        with fh:
+            data = fh.read(max_bytes + 1)
+        if len(data) > max_bytes:  # grew past the limit while being read
             return None
-        chunks, left = [], max_bytes + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:  # grew past the limit while being read
-            return None
-        return b"".join(chunks).decode("utf-8")
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return None
-    finally:
-        os.close(fd)

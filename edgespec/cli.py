@@ -7,11 +7,9 @@ import sys
 
 from .errors import EdgespecError, UsageError
 from .frontend import (PROG, ProgressBar, _add_flash_attn_arg, _add_model_args, _add_sampling_args, _check_arg_text,
-                       _Parser, _setup_logging, load_engine, notice, request_from_args, settings_from_args)
+                       _Parser, _setup_logging, load_engine, request_from_args, settings_from_args)
 
-__all__ = ["main", "build_parser", "run_verb", "ProgressBar", "notice", "settings_from_args", "request_from_args",
-           "load_engine", "PROG", "_add_model_args", "_add_sampling_args", "_add_flash_attn_arg", "_check_arg_text",
-           "_Parser", "_setup_logging"]
+__all__ = ["main", "build_parser", "run_verb"]
 
 
 def _setup_run(sub) -> None:

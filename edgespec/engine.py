@@ -170,7 +170,6 @@ class Stream:
         self._outdated: Optional[EdgespecError] = None  # raised when resumed
         self._thread = threading.get_ident()
         self._tools = None          # a tools.StreamParser when the request had tools
-        self._raw: list[str] = []   # the answer's text, markup included
         self.tool_calls: list = []
 
     @property
@@ -201,7 +200,6 @@ class Stream:
         if ev.token is not None:
             self.tokens.append(ev.token)
         if self._tools is not None:  # markup held back; calls on the closing event
-            self._raw.append(ev.text)
             shown = self._tools.feed(ev.text)
             if ev.token is None:
                 rest, self.tool_calls = self._tools.finish()
@@ -219,11 +217,6 @@ class Stream:
             pass
         text = self.text.strip() if self.tool_calls and not self.text.strip() else self.text
         return GenerationResult(text, list(self.tokens), self.stats, list(self.tool_calls))
-
-    @property
-    def raw_text(self) -> str:
-        """The answer as the model wrote it (tool-call markup included)."""
-        return "".join(self._raw) if self._tools is not None else self.text
 
     def close(self) -> None:
         """Stop here; the engine serves the next request."""

@@ -51,7 +51,6 @@ class ProgressBar:
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
         self.live = self.stream.isatty()
-        self._last = None
 
     def __call__(self, p) -> None:
         if not self.live:

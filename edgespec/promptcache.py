@@ -22,6 +22,8 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .cachefile import open_regular
+
 MIN_TOKENS = 32          # shorter prefixes are cheaper to evaluate again than to keep
 ENTRY_OVERHEAD = 512     # bytes of bookkeeping per entry beyond its states
 
@@ -160,8 +162,11 @@ class DiskCache:
         return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
     def _header(self, path) -> Optional[dict]:
+        fh = open_regular(path)  # a FIFO or a device named *.slot must not hang the start
+        if fh is None:
+            return None
         try:
-            with open(path, "rb") as fh:
+            with fh:
                 line = fh.readline(1 << 22)
             head = json.loads(line)
         except (OSError, ValueError):
@@ -180,10 +185,14 @@ class DiskCache:
 
     def load(self, path) -> Optional[Slot]:
         """The slot in `path`, or None (and the file removed) when it is damaged or foreign."""
+        fh = open_regular(path)
         try:
-            with open(path, "rb") as fh:
+            if fh is None:
+                raise OSError("not a regular file")
+            with fh:
                 head = json.loads(fh.readline(1 << 22))
-                payload = fh.read()
+                size = head.get("size") if isinstance(head, dict) else None
+                payload = fh.read(size + 1) if isinstance(size, int) and size >= 0 else b""
             ok = (isinstance(head, dict) and head.get("magic") == MAGIC and head.get("identity") == self.identity
                   and len(payload) == head.get("size") and hashlib.sha256(payload).hexdigest() == head.get("sha256"))
         except (OSError, ValueError):

@@ -204,3 +204,13 @@ def test_a_restart_restores_from_disk_and_a_damaged_entry_is_refused(smol, tmp_p
     with Engine.load(str(smol), cache_dir=str(tmp_path), **dict(kw, n_ctx=512)) as eng:  # another context
         other = eng.chat(conv, max_tokens=10)
     assert other.stats.restored_prompt_tokens == 0  # an entry of other settings is never used
+
+
+def test_a_fifo_or_a_device_named_like_a_slot_does_not_hang_the_disk_cache(tmp_path):
+    import os
+    from edgespec.promptcache import DiskCache
+    os.mkfifo(tmp_path / "a.slot")  # an open() for reading would wait for a writer forever
+    (tmp_path / "b.slot").symlink_to("/dev/zero")  # read() would never end
+    cache = DiskCache(tmp_path, "identity")
+    assert cache.best(tuple(range(100))) == (None, 0)
+    assert cache.load(tmp_path / "b.slot") is None  # refused, not read

@@ -58,7 +58,7 @@ def run(engine, n: int, turns: int, max_tokens: int) -> dict:
 def main(argv=None) -> int:
     from ..assemble import Settings
     from ..engine import Engine
-    from ..cli import ProgressBar
+    from ..frontend import ProgressBar
     p = argparse.ArgumentParser(prog="python -m edgespec.bench.conversations", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("pair", nargs="?")

@@ -174,6 +174,9 @@ class Stream:
 
     @property
     def finish_reason(self) -> Optional[str]:
+        """Why it ended ("tool_calls" when the answer called tools), None while it runs."""
+        if self.tool_calls:
+            return "tool_calls"
         return self.stats.finish_reason or None
 
     @property

@@ -354,7 +354,7 @@ async def _events(job: worker.Job, env: Envelope, include_usage: bool, watcher: 
                 if reason != "cancelled":
                     for chunk in env.tool_call_chunks(calls):
                         yield _dumps(chunk)
-                    yield _dumps(env.last(stats, reason, calls))
+                    yield _dumps(env.last(stats, reason))
                     if include_usage:
                         yield _dumps(env.usage_chunk(stats))
                     break

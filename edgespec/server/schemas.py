@@ -327,7 +327,6 @@ class Envelope:
             message = {"role": "assistant", "content": text}
             if tool_calls:
                 message.update(content=text or None, tool_calls=[c.openai() for c in tool_calls])
-                reason = "tool_calls"
             choice = {"index": 0, "message": message}
         else:
             choice = {"index": 0, "text": text}
@@ -354,8 +353,8 @@ class Envelope:
         choice.update(logprobs=None, finish_reason=finish_reason(reason) if reason else None)
         return {**self._head(True), "choices": [choice]}
 
-    def last(self, stats, reason: str, tool_calls=()) -> dict:
-        out = self.chunk(None if self.chat else "", reason="tool_calls" if tool_calls else reason)
+    def last(self, stats, reason: str) -> dict:
+        out = self.chunk(None if self.chat else "", reason=reason)
         out["edgespec"] = self._extension(stats, reason)
         return out
 

@@ -132,7 +132,7 @@ class Job:
             return
         finally:
             self._stream = None
-        reason = "cancelled" if self._cancel.is_set() else (stream.stats.finish_reason or "cancelled")
+        reason = "cancelled" if self._cancel.is_set() else (stream.finish_reason or "cancelled")
         self._emit(END, (stream.stats, reason, list(getattr(stream, "tool_calls", []))))
 
     def _emit(self, kind: str, value) -> None:

@@ -214,15 +214,10 @@ def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool]:
     return got, got == "model"
 
 
-def trained_context(info) -> Optional[int]:
-    """The context length the model was trained for (GGUF `{arch}.context_length`), if stated."""
-    n = info.fields.get(f"{info.architecture}.context_length")
-    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
-
-
 def check_context(settings: Settings, t_info, d_info=None) -> None:
     """Refuse, before anything is allocated, a context the model was not trained for or that
     cannot fit in this machine's memory at all (llama.cpp would take a minute to fail)."""
+    from .ggufinfo import trained_context
     from .memory import estimate_model, total_memory
     for info in (t_info, d_info):
         trained = trained_context(info) if info is not None else None

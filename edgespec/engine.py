@@ -19,7 +19,6 @@ from .drafters import NO_DRAFT, Draft, Round
 from .errors import (BackendError, ConstraintError, ContextLengthError, DamagedModelError, EdgespecError,
                      EngineClosedError, UsageError)
 from .constraints import Guide, mask_logits, tokenizer_for
-from .policy import drafts_likely
 from .request import Request, check_text
 from .sampling import verify, verify_greedy, warp
 from .tools import StreamParser
@@ -792,8 +791,10 @@ class Engine:
         stats.prompt_seconds = t1 - t0
         cancelled = holder[0]._cancel
         # what the grammar drafts ahead: decided once a generation, not every round
-        ahead = None if guide is None else (
-            guide.likely if drafts_likely(getattr(drafter, "policy", None)) else guide.forced)
+        ahead = None
+        if guide is not None:
+            from .policy import drafts_likely
+            ahead = guide.likely if drafts_likely(getattr(drafter, "policy", None)) else guide.forced
         emitted_all = True  # every committed token was emitted (not cut by max_tokens)
         try:
             while stats.generated < max_tokens and len(tokens) < n_ctx:

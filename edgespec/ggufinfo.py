@@ -190,3 +190,9 @@ def check_pair(target: str | os.PathLike, draft: str | os.PathLike) -> None:
         if a != b:
             raise IncompatiblePairError(f"{names} disagree on token {i}: {a!r} vs {b!r}; "
                                         "pick a draft with the target's tokenizer")
+
+
+def trained_context(info) -> "int | None":
+    """The context length the model was trained for (GGUF `{arch}.context_length`), if stated."""
+    n = info.fields.get(f"{info.architecture}.context_length")
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None

@@ -294,8 +294,9 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
                          f"{_gib(c['estimated_bytes'] - budget)} over the budget.")
     if "drafter" in ch and ch["n_ctx"] != n_ctx:
         lines.append(f"Dropped: n_ctx {n_ctx}; the context was lowered to {ch['n_ctx']} to fit.")
-    trained = [int(i.fields.get(f"{i.architecture}.context_length") or 0) for i in (target_info, draft_info) if i]
-    limit = min([t for t in trained if t > 0] or [CTX_CHOICES[0] * 4])
+    from .ggufinfo import trained_context
+    trained = [trained_context(i) for i in (target_info, draft_info) if i]
+    limit = min([t for t in trained if t] or [CTX_CHOICES[0] * 4])
     largest = []
     for d in order:
         if d == "model" and draft_info is None:

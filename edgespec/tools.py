@@ -420,6 +420,7 @@ class StreamParser:
     shown: int = 0       # text[:shown] has been shown or belongs to a call
     inside: bool = False
     opened: int = 0      # where the last call marker began
+    bare: Optional[bool] = None  # the answer opens with "{" (a call without markup); None: nothing written yet
 
     def feed(self, piece: str) -> str:
         self.text += piece
@@ -438,7 +439,9 @@ class StreamParser:
                 out.append(self.text[self.shown:opened])
                 self.shown, self.inside, self.opened = opened + len(Hermes.OPEN), True, opened
                 continue
-            if self.spec is not None and not self.text[:self.shown].strip() and self.text.lstrip().startswith("{"):
+            if self.bare is None and self.text.strip():  # decided by the answer's first character
+                self.bare = self.text.lstrip().startswith("{")
+            if self.spec is not None and self.bare:
                 return "".join(out)  # may be a call written without its markup: known at the end
             # hold back a tail that could be the start of the marker
             safe = len(self.text)

@@ -6,16 +6,37 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 PAIR   ?=
 TEST_MODELS := smollm2-135m gemma-3-270m qwen2.5-coder-1.5b
 
-.PHONY: setup run test test-fast test-network test-models bench lint clean
+.PHONY: setup llama run test test-fast test-network test-models bench lint clean
 
-setup: $(VENV)/.installed
+# BACKEND: auto (CUDA where nvcc and a GPU are found, Metal on Apple Silicon, else CPU) | cpu | cuda | metal
+# AMX: auto (only with GCC >= 13 or clang, kept if the self-test passes) | on | off
+BACKEND ?= auto
+AMX     ?= auto
+STAMP   := $(VENV)/.installed-$(BACKEND)-$(AMX)
+BUILD   := $(PY) scripts/build_llama.py --python $(PY) --backend $(BACKEND) --amx $(AMX)
 
-# pip keeps the llama-cpp-python wheel it builds in ~/.cache/pip: later venvs reuse it
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+setup: $(STAMP)
+
+# llama-cpp-python is built for this machine by scripts/build_llama.py (flags from the CPU, never
+# -march=native) and kept in ~/.cache/edgespec/wheels/ under a key of its flags: later venvs, and CI,
+# reuse it; another BACKEND builds its own. The self-test then proves the build on this machine.
+$(STAMP): pyproject.toml scripts/build_llama.py edgespec/buildflags.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -e '.[test,plot,server]'
+	$(BUILD)
+	$(PY) -m pip install -e '.[test,plot,server]'
+	$(BUILD) --check
+	rm -f $(VENV)/.installed*
 	touch $@
+
+# rebuild llama-cpp-python in the venv (e.g. `make llama BACKEND=cuda`, `make llama AMX=off`)
+llama:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(BUILD)
+	$(PY) -m pip install -q -e '.[test,plot,server]'
+	$(BUILD) --check
+	rm -f $(VENV)/.installed*
+	touch $(STAMP)
 
 run: setup
 	$(PY) -m edgespec run $(PAIR) --prompt "$(PROMPT)"

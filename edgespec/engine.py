@@ -296,6 +296,8 @@ class Engine:
                       ) -> "Engine":
         """An Engine for an `assemble.Settings` (the CLI, the server and the benchmarks build one)."""
         from .assemble import load_parts
+        from .selftest import ensure
+        ensure()  # a build that crashes or computes wrong on this machine: one line, not SIGSEGV
         target, drafter, cache = load_parts(settings, download=download, calibrate=calibrate, progress=progress)
         try:
             return cls(target, drafter, cache)

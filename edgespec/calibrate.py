@@ -47,6 +47,7 @@ CATCH_UP_BATCH = 16    # tokens the draft model evaluates at once to time its ca
 REMEASURE = 3          # loads that measure a provisional calibration again before it is kept as is
 FILLER = "The quick brown fox jumps over the lazy dog while the compiler checks every line. "
 FORMAT = 2
+WARM_STEPS = 4         # progress steps the warm-up counts for, however many passes it takes
 
 
 # -- other load on the machine ------------------------------------------------------------------
@@ -195,14 +196,20 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
         return clock() - t
 
     clean: list[bool] = []  # per sweep: did it run without other processes taking the CPU
-    planned = len(sample) * sweeps + 4
+    # the progress total is fixed by the first report (a bar that grows goes backwards): the
+    # warm-up and the planned sweeps; passes beyond the plan close in on it, the end reaches it
+    planned = len(sample) * sweeps + WARM_STEPS
     done = 0
 
-    def tick(detail):
+    def tick(detail, warming=False):
         nonlocal done
-        done += 1
+        done = min(done + 1, WARM_STEPS - 1) if warming else done + 1
         if progress:
-            progress(done, max(planned, done), detail)
+            progress(_shown(done, planned), planned, detail)
+
+    def finish():
+        if progress:
+            progress(planned, planned, "done")
 
     def over_budget():
         # until two sweeps ran undisturbed, up to twice the budget: a busy spell may pass
@@ -216,9 +223,10 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
             warm[k].append(verify(k))
         if draft is not None:
             step()
-        tick("warming up")
+        tick("warming up", warming=True)
         if all(_settled(v) for v in warm.values()) or clock() - t_start > WARM_BUDGET:
             break
+    done = max(done, WARM_STEPS)
     busy = _contended(meter.others(), limit)
     if busy:  # give a passing spell a moment to end before concluding anything
         for _ in range(int(WAIT / 0.5)):
@@ -228,7 +236,9 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
             if not busy:
                 break
     if busy:
-        return _under_load(target, draft, warm, max_rows, busy, clock() - t_start)
+        cal = _under_load(target, draft, warm, max_rows, busy, clock() - t_start)
+        finish()
+        return cal
 
     sweeps_seen: list[dict[int, list[float]]] = []  # per sweep: row count -> its timings
     steps: list[float] = []
@@ -259,7 +269,6 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
             break
         if len(sweeps_seen) >= sweeps and sum(clean) >= 2 and not _doubts(_figures(sweeps_seen, clean)[1]):
             break
-        planned += len(sample)
     n = len(sweeps_seen)
     # row counts whose repeats disagree get two passes more, in a sweep of their own
     _, spread = _figures(sweeps_seen, clean)
@@ -299,7 +308,18 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
         # info, not warning: nothing for the user to do, the engine corrects it as it runs
         log.info("the calibration may be off (%s): it is used as provisional, corrected as the engine runs "
                     "and measured again at the next load", "; ".join(doubts))
+    finish()
     return Calibration(Costs(verify_costs, draft_step, prefill), "calibrated", provisional, info)
+
+
+def _shown(done: int, total: int) -> int:
+    """Steps done as the progress shows them in a fixed `total`: as they are up to nine tenths,
+    then ever closer to the total without reaching it (sweeps measured again were not planned);
+    only the end reports the total itself."""
+    knee = 0.9 * total
+    if done <= knee:
+        return done
+    return min(total - 1, int(total - (total - knee) * math.exp(-(done - knee) / (total - knee))))
 
 
 def _contended(other: Optional[float], limit: float) -> float:

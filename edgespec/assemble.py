@@ -51,6 +51,19 @@ CALIBRATE = ("auto", "now", "never")
 FLASH_ATTN = ("on", "off", "auto")
 ALL_LAYERS = -1  # n_gpu_layers: offload every layer
 DEFAULT_CACHE_MAX = 2**30  # the default prompt cache: at most 1 GiB of host RAM
+# --memory-budget and --cache-ram, defined once for every verb (run, bench, calibrate, serve, plan)
+BUDGET_FLAGS = {
+    "--memory-budget": dict(
+        metavar="SIZE", default=None,
+        help="RAM for the whole process, with a unit: 2GiB, 1500MB, 2g. What fits is chosen by `plan`'s rule "
+        "(draft model, then n-gram drafting, then plain decoding), after the prompt cache's share (--cache-ram) "
+        "is set aside. Default: no limit (`plan`: the RAM available now)"),
+    "--cache-ram": dict(
+        metavar="SIZE", default=None,
+        help="host RAM kept for the prompt cache, the KV caches of prompts and conversations that may come back "
+        "(e.g. 512MiB; 0 = off); it is taken out of --memory-budget before the models are fitted. Default: a "
+        f"tenth of --memory-budget or of the free RAM, at most {DEFAULT_CACHE_MAX // 2**30} GiB"),
+}
 
 
 def cpu_count() -> int:
@@ -138,7 +151,7 @@ class Settings:
             if b <= 0:
                 raise UsageError(f"the memory budget must be more than zero, got {b}")
             return b
-        return parse_size(b)
+        return parse_size(b, "memory_budget (--memory-budget)")
 
     def cache_bytes(self) -> int:
         """The prompt cache's size: as given, or by default a tenth of the memory budget or of
@@ -156,7 +169,7 @@ class Settings:
             return c
         if isinstance(c, str) and c.strip() == "0":
             return 0
-        return parse_size(c)
+        return parse_size(c, "cache_ram (--cache-ram)")
 
     def target_name(self) -> str:
         from .registry import load_registry
@@ -183,30 +196,67 @@ def plan_mode(settings: Settings) -> str:
     return settings.drafter if settings.drafter == "auto" else REGISTRY[settings.drafter].plans_as
 
 
-def plan_for(settings: Settings, t_info, d_info, *, budget: Optional[int] = None) -> dict:
-    """memory.plan for these settings: their context, drafter, flash attention and the GPU
-    layers llama.cpp will really offload (the same for `plan`, `run`, the library and bench)."""
-    from .memory import plan
-    return plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=plan_mode(settings), budget=budget,
-                gpu_layers=offloaded_layers(settings.n_gpu_layers),
-                draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn)
+def plan_for(settings: Settings, t_info, d_info) -> dict:
+    """The one memory-budget rule: memory.plan for these settings (their context, drafter, flash
+    attention and the GPU layers llama.cpp will really offload) against their budget less the
+    prompt cache's share, which lives in the same RAM. `plan`, `run`, `serve`, `Engine.load` and
+    both benchmarks all decide through this. No memory_budget: the RAM available now.
+    The result is memory.plan's, with budget_bytes the whole budget, cache_bytes the prompt
+    cache's share and fit_bytes what the configurations had to fit in (the difference)."""
+    from .memory import available_memory, plan
+    given = settings.budget_bytes()
+    total = available_memory() if given is None else given
+    cache = settings.cache_bytes()
+    fit = max(0, total - cache)
+    result = plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=plan_mode(settings), budget=fit,
+                  gpu_layers=offloaded_layers(settings.n_gpu_layers),
+                  draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn)
+    return dict(result, budget_bytes=total, cache_bytes=cache, fit_bytes=fit)
+
+
+def pair_peak(target_path, draft_path=None, settings: Optional[Settings] = None) -> dict:
+    """`plan`'s estimate for a pair's wanted configuration (target + draft model, or target +
+    n-gram drafting for a target alone) at the settings' context (default: Settings' defaults),
+    read from GGUF metadata without loading: {drafter, n_ctx, estimated_bytes}. Before the
+    prompt cache, as `plan`'s peaks are."""
+    from .ggufinfo import read_info
+    settings = settings or Settings()
+    t = read_info(Path(target_path))
+    d = read_info(Path(draft_path)) if draft_path else None
+    wanted = "model" if d is not None else "ngram"
+    for c in plan_for(settings, t, d)["configs"]:
+        if c["drafter"] == wanted and c["n_ctx"] == settings.n_ctx:
+            return {"drafter": wanted, "n_ctx": c["n_ctx"], "estimated_bytes": c["estimated_bytes"]}
+    raise AssertionError("plan_for always estimates the wanted configuration")  # pragma: no cover
+
+
+def budget_words(result: dict) -> str:
+    """'1.80 GiB (2.00 GiB less 0.20 GiB for the prompt cache, --cache-ram)': plan_for's figure
+    as `plan` and `run` both say it."""
+    fit, cache = result["fit_bytes"], result["cache_bytes"]
+    if not cache:
+        return f"{fit / 2**30:.2f} GiB"
+    return (f"{fit / 2**30:.2f} GiB ({result['budget_bytes'] / 2**30:.2f} GiB less {cache / 2**30:.2f} GiB "
+            "kept for the prompt cache, --cache-ram)")
 
 
 def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool]:
     """(drafter mode, keep the draft model?) that fit the budget at the wanted context size,
     trying memory.plan's order: draft model, n-gram, plain decoding."""
-    budget = settings.budget_bytes() - settings.cache_bytes()  # the prompt cache lives in the same RAM
     kind = REGISTRY[settings.drafter]
     mode = plan_mode(settings)
-    choice = plan_for(settings, t_info, d_info, budget=budget)["choice"]
+    result = plan_for(settings, t_info, d_info)  # the prompt cache lives in the same RAM
+    choice = result["choice"]
     if choice.get("n_ctx") != settings.n_ctx:
-        raise UsageError(f"{t_info.path.name} does not fit in {budget / 2**30:.2f} GiB even without a drafter "
-                         f"at n_ctx {settings.n_ctx}: lower --ctx or raise --memory-budget (see `edgespec plan`)")
+        hint = (f"pass --ctx {choice['n_ctx']} (fits), " if "n_ctx" in choice else "") + \
+            "raise --memory-budget or lower --cache-ram (see `edgespec plan`)"
+        raise UsageError(f"{t_info.path.name} does not fit in {budget_words(result)} even without a drafter "
+                         f"at n_ctx {settings.n_ctx}: {hint}")
     got = choice["drafter"]
     wanted = "model" if d_info is not None else ("ngram" if mode in ("auto", "ngram") else "none")
     if got != wanted:
-        log.warning("the %s drafter does not fit in %.2f GiB at n_ctx %d: using %s drafting instead",
-                    wanted, budget / 2**30, settings.n_ctx, got)
+        log.warning("the %s drafter does not fit in %s at n_ctx %d: using %s drafting instead",
+                    wanted, budget_words(result), settings.n_ctx, got)
     if settings.drafter == "auto" and got != "none":
         return "auto", got == "model"
     if got == kind.plans_as:  # it fits as asked (copy plans as an n-gram index)

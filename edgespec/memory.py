@@ -168,14 +168,20 @@ def estimate_process(target_info, draft_info=None, *, n_ctx: int, drafter: str =
     return parts
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+_UNITS = {"b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
-def parse_size(text: str) -> int:
-    """'2GiB', '1500MB', '2g', '512 MiB', '3.5GB' -> bytes. Single letters are decimal (k, m, g)."""
+def parse_size(text: str, what: str = "the size") -> int:
+    """'2GiB', '1500MB', '2g', '512 MiB', '3.5GB', '2147483648B' -> bytes. Single letters are
+    decimal (k, m, g). A bare number is refused: "10" meant as 10 GiB would be 10 bytes.
+    `what` names the setting in the message (e.g. "--memory-budget")."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
+    if m and unit == "":
+        n = m.group(1)
+        like = f"{n}GiB, {n}MB or 2GiB ({n}B for bytes)" if float(n) else "2GiB or 512MiB"
+        raise UsageError(f"{what} {str(text).strip()!r} has no unit: write a size with a unit, like {like}")
     if not m or unit not in _UNITS:
         raise UsageError(f"cannot read the size {text!r}: write a number and a unit, like 2GiB, 1500MB or 2g")
     value = int(float(m.group(1)) * _UNITS[unit])
@@ -206,7 +212,7 @@ def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "aut
     """Every configuration with its estimate, and the one that fits best: the wanted drafter at
     the wanted context first, then cheaper drafters (model -> n-gram -> none), then smaller
     contexts."""
-    budget = budget or available_memory()
+    budget = available_memory() if budget is None else max(0, budget)
     wanted = ["model", "ngram", "none"] if drafter in ("auto", "model") else [drafter]
     if draft_info is None:
         wanted = [d for d in wanted if d != "model"] or ["none"]
@@ -270,10 +276,20 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
             gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off") -> list[str]:
     """`plan`'s result in sentences for a person: what fits, what was dropped and why, the
     largest context that fits for each configuration, and where the chosen peak goes."""
-    budget = result["budget_bytes"]
+    # what the configurations must fit in: assemble.plan_for's result keeps the prompt cache's
+    # share apart (fit_bytes = budget_bytes - cache_bytes); memory.plan's is the budget itself
+    budget = result.get("fit_bytes", result["budget_bytes"])
     configs = {(c["drafter"], c["n_ctx"]): c for c in result["configs"]}
     wanted = ("model" if draft_info is not None else "ngram") if drafter in ("auto", "model") else drafter
-    lines = [f"Budget: {_gib(budget)} ({'--memory-budget' if budget_given else 'the RAM available now'})."]
+    source = "--memory-budget" if budget_given else "the RAM available now"
+    if "cache_bytes" not in result:
+        lines = [f"Budget: {_gib(budget)} ({source})."]
+    elif result["cache_bytes"]:
+        lines = [f"Budget: {_gib(result['budget_bytes'])} ({source}), less {_gib(result['cache_bytes'])} kept for "
+                 f"the prompt cache (--cache-ram SIZE changes it, --cache-ram 0 turns it off): {_gib(budget)} "
+                 "for the models."]
+    else:
+        lines = [f"Budget: {_gib(budget)} ({source}), none of it kept for a prompt cache (--cache-ram 0)."]
     with_what = {"model": f"the draft model {draft_info.path.name}" if draft_info is not None else "a draft model",
                  "ngram": "n-gram drafting", "none": "no drafter"}[wanted]
     lines.append(f"Wanted: {target_info.path.name} with {with_what} at n_ctx {n_ctx}, flash attention {flash_attn}.")

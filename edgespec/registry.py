@@ -97,6 +97,7 @@ class Pair:
     target: ModelSpec
     draft: ModelSpec | None = None
     description: str = ""
+    hidden: bool = False  # meant for tests: `models` leaves it out (unless --all); still loadable by name
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,11 @@ def _merge(data: dict, path: Path, into: dict[str, Pair]) -> str | None:
         if not isinstance(raw, dict) or "target" not in raw:
             raise RegistryError(f"{path}: pair {name!r} needs a [pairs.\"{name}\".target] table")
         draft = _model(path, name, "draft", raw["draft"]) if "draft" in raw else None
+        hidden = raw.get("hidden", False)
+        if not isinstance(hidden, bool):
+            raise RegistryError(f"{path}: pairs.{name}.hidden is {hidden!r}; it must be true or false")
         into[name] = Pair(name=name, target=_model(path, name, "target", raw["target"]),
-                          draft=draft, description=str(raw.get("description", "")))
+                          draft=draft, description=str(raw.get("description", "")), hidden=hidden)
     return data.get("default")
 
 

@@ -28,7 +28,7 @@ def fake_sizes(monkeypatch):
 
 
 def test_the_sweep_falls_back_from_the_pair_to_ngram_to_a_smaller_context(fake_sizes, smol, smol_draft):
-    settings = Settings(target=str(smol), draft=str(smol_draft), n_ctx=4096).validate()
+    settings = Settings(target=str(smol), draft=str(smol_draft), n_ctx=4096, cache_ram=0).validate()
     t, d = read_info(smol), read_info(smol_draft)
     got = budgets.choices(settings, t, d, [3 * 2**30, 1536 * MiB, 1229 * MiB, 512 * MiB])
     assert [(c["drafter"], c["n_ctx"]) for c in got] == [("model", 4096), ("ngram", 4096), ("ngram", 2048),
@@ -37,7 +37,8 @@ def test_the_sweep_falls_back_from_the_pair_to_ngram_to_a_smaller_context(fake_s
 
 
 def test_the_sweep_runs_each_budget_in_its_own_process_with_its_choice(fake_sizes, smol, smol_draft):
-    settings = Settings(target=str(smol), draft=str(smol_draft), n_ctx=4096, flash_attn="on").validate()
+    settings = Settings(target=str(smol), draft=str(smol_draft), n_ctx=4096, flash_attn="on",
+                        cache_ram=0).validate()
     commands = []
 
     def runner(cmd):
@@ -49,9 +50,10 @@ def test_the_sweep_runs_each_budget_in_its_own_process_with_its_choice(fake_size
     report = budgets.sweep(settings, [3 * 2**30, 1229 * MiB, 512 * MiB], prompts, max_tokens=8, runner=runner)
     assert len(commands) == 4  # two budgets fit, two prompts each; nothing is run for the third
     first, second = commands[0], commands[2]
-    assert first[first.index("--memory-budget") + 1] == str(3 * 2**30) and "--draft" in first
+    assert first[first.index("--memory-budget") + 1] == f"{3 * 2**30}B" and "--draft" in first
     assert second[second.index("--ctx") + 1] == "2048"
-    assert second[second.index("--memory-budget") + 1] == str(1229 * MiB)
+    assert second[second.index("--memory-budget") + 1] == f"{1229 * MiB}B"
+    assert all(c[c.index("--cache-ram") + 1] == "0" for c in commands)  # the child plans as the sweep did
     assert all(c[c.index("--flash-attn") + 1] == "on" for c in commands)
     rows = report["rows"]
     assert rows[0]["peak_rss_bytes"] == 4096 * 1000 and rows[1]["peak_rss_bytes"] == 2048 * 1000
@@ -183,3 +185,113 @@ def test_plan_explains_every_registered_drafter_in_words(smol, smol_draft, capsy
         assert main(["plan", "--target", str(smol), *draft, "--ctx", "1024", "--drafter", name]) == 0, name
         out = capsys.readouterr().out
         assert out.startswith("Budget: ") and "Wanted: " in out, (name, out)
+
+
+# -- one budget rule: plan, run, the library and the sweep give the same answer -----------------
+class Loaded(Exception):
+    pass
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Stop at the first model load: what was decided before it (the fit) is all that is asked."""
+    def refuse(path, **kw):
+        raise Loaded(str(path))
+    monkeypatch.setattr("edgespec.backend.LlamaBackend", refuse)
+
+
+def _needs(smol, smol_draft, capsys) -> dict:
+    """plan's estimate per drafter at n_ctx 1024 for SmolLM2 + its cut-down draft."""
+    assert main(["plan", "--target", str(smol), "--draft", str(smol_draft), "--ctx", "1024", "--json"]) == 0
+    configs = json.loads(capsys.readouterr().out)["configs"]
+    return {c["drafter"]: c["estimated_bytes"] for c in configs if c["n_ctx"] == 1024}
+
+
+def _fit(budget: int) -> str:
+    """The figure both verbs print: the budget less its default prompt-cache share (a tenth)."""
+    return f"{(budget - budget // 10) / 2**30:.2f} GiB"
+
+
+def test_plan_run_and_the_library_drop_the_draft_model_at_the_same_budget(smol, smol_draft, capsys, no_load):
+    from edgespec.assemble import fit_budget
+    need = _needs(smol, smol_draft, capsys)
+    budget = need["model"] + MiB  # the pair fits the budget, but not once the prompt cache has its share
+    assert budget - budget // 10 < need["model"] and budget - budget // 10 > need["ngram"]
+    base = ["--target", str(smol), "--draft", str(smol_draft), "--ctx", "1024", "--memory-budget", f"{budget}B"]
+    assert main(["plan", *base, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["choice"]["drafter"] == "ngram"  # it said "model" before
+    assert main(["plan", *base]) == 0
+    out = capsys.readouterr().out
+    assert "Fits: target + n-gram drafting at n_ctx 1024" in out and f"{_fit(budget)} for the models" in out
+    assert "kept for the prompt cache (--cache-ram" in out
+    with pytest.raises(Loaded, match="SmolLM2-135M-Instruct.Q4_1.gguf"):
+        main(["run", *base, "--drafter", "model", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert f"the model drafter does not fit in {_fit(budget)} (" in err and "using ngram drafting" in err
+    settings = Settings(target=str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024,
+                        memory_budget=budget).validate()
+    assert fit_budget(settings, read_info(smol), read_info(smol_draft)) == ("ngram", False)
+    # with the cache share given back, all three keep the draft model
+    assert main(["plan", *base, "--cache-ram", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["choice"]["drafter"] == "model"
+    from dataclasses import replace
+    assert fit_budget(replace(settings, cache_ram=0), read_info(smol), read_info(smol_draft)) == ("model", True)
+
+
+def test_plan_run_and_the_library_refuse_the_same_budget_with_the_same_figure(smol, smol_draft, capsys, no_load):
+    need = _needs(smol, smol_draft, capsys)
+    budget = need["ngram"] + MiB  # n-gram drafting fitted the whole budget: plan said yes, run said no
+    assert budget - budget // 10 < need["none"]
+    base = ["--target", str(smol), "--ctx", "1024", "--memory-budget", f"{budget}B"]
+    assert main(["plan", *base]) == 0
+    out = capsys.readouterr().out
+    assert f"Nothing fits: nothing fits in {_fit(budget)}," in out
+    assert main(["run", *base, "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"does not fit in {_fit(budget)} (" in err
+    assert "lower --cache-ram" in err
+    with pytest.raises(UsageError, match=f"does not fit in {_fit(budget)}"):
+        Engine.load(str(smol), n_ctx=1024, memory_budget=budget)
+    with pytest.raises(Loaded):  # without the cache's share it fits, for run as for plan
+        main(["run", *base, "--cache-ram", "0", "--prompt", "hi"])
+
+
+def test_a_sweep_records_a_budget_that_fits_nothing_and_goes_on(smol, smol_draft, capsys, tmp_path, monkeypatch,
+                                                                  no_load):
+    need = _needs(smol, smol_draft, capsys)
+    fits = need["model"] * 2
+    children = []
+
+    def child(cmd):  # the run the sweep starts: its own plan must accept what the sweep chose
+        children.append(cmd)
+        with pytest.raises(Loaded):
+            main(cmd[3:])  # [python, -m, edgespec, run, ...]
+        return {"stats": {"tokens_per_second": 5.0, "acceptance_rate": 0.5}, "peak_rss_bytes": need["model"]}
+    monkeypatch.setattr(budgets, "run_child", child)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", str(smol), "--draft", str(smol_draft), "--ctx", "1024", "--kinds", "code",
+                 "--memory-budget", f"1MiB,{fits}B,2MiB", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "budgets.json").read_text())  # written, though two budgets fit nothing
+    rows = report["rows"]
+    assert [r["drafter"] for r in rows] == [None, "model", None] and len(children) == 1
+    assert "nothing fits in" in rows[0]["reason"] and "peak_rss_bytes" in rows[1]
+    assert rows[1]["cache_bytes"] == fits // 10 and rows[1]["fit_bytes"] == fits - fits // 10
+    cmd = children[0]
+    assert cmd[cmd.index("--cache-ram") + 1] == f"{fits // 10}B"
+    table = capsys.readouterr().out
+    assert table.count("nothing fits") == 2 and "pair (draft model)" in table
+
+
+def test_a_sweep_goes_on_when_one_budgets_run_fails(fake_sizes, smol, smol_draft):
+    settings = Settings(target=str(smol), draft=str(smol_draft), n_ctx=4096, cache_ram=0).validate()
+
+    def runner(cmd):
+        if cmd[cmd.index("--memory-budget") + 1] == f"{3 * 2**30}B":
+            raise UsageError("the run for this budget failed: out of memory")
+        return {"stats": {"tokens_per_second": 10.0, "acceptance_rate": 0.5}, "peak_rss_bytes": 1}
+    report = budgets.sweep(settings, [3 * 2**30, 4 * 2**30], [{"id": "a", "kind": "code", "prompt": "x"}],
+                           runner=runner)
+    failed, ok = report["rows"]
+    assert "out of memory" in failed["error"] and "peak_rss_bytes" not in failed
+    assert ok["peak_rss_bytes"] == 1
+    assert "run failed" in budgets.format_table(report) and "run failed" in budgets.describe(failed)

@@ -45,6 +45,20 @@ def test_bad_sizes_are_usage_errors(bad):
         parse_size(bad)
 
 
+@pytest.mark.parametrize("bare", ["10", "2", " 1.5 ", "2147483648"])
+def test_a_number_without_a_unit_is_refused_not_read_as_bytes(bare):
+    # "--memory-budget 10" was 10 bytes: the message says what to write instead, in one line
+    with pytest.raises(UsageError, match=r"'[\d.]+' has no unit: .*like .*2GiB") as info:
+        parse_size(bare, "--memory-budget")
+    assert str(info.value).startswith("--memory-budget ") and "\n" not in str(info.value)
+    assert parse_size(bare.strip() + "B") == int(float(bare))  # bytes, said so
+    with pytest.raises(UsageError, match=r"memory_budget \(--memory-budget\) '10' has no unit"):
+        Settings(memory_budget="10").validate()  # the library reads budgets the same way
+    with pytest.raises(UsageError, match=r"cache_ram \(--cache-ram\) '10' has no unit"):
+        Settings(cache_ram="10").validate()
+    assert Settings(memory_budget=10 * 2**30, cache_ram="0").validate().cache_bytes() == 0  # ints are bytes
+
+
 def _peak_rss(model, ctx, drafter="none"):
     prompt = json.loads((ROOT / "workloads" / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
     out = subprocess.run([sys.executable, "-m", "edgespec", "run", "--target", str(model), "--drafter", drafter,

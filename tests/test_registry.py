@@ -83,6 +83,16 @@ def test_cli_says_it_in_one_line(tmp_path, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "is a folder" in err
 
 
+def test_a_pair_may_be_hidden_and_still_loads_by_name(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('[pairs."t"]\nhidden = true\n[pairs."t".target]\nrepo = "a/b"\nfile = "t.gguf"\n')
+    reg = load_registry(path)
+    assert reg.get("t").hidden and not reg.get("smollm2-135m").hidden
+    assert load_registry().get("gemma-3-270m").hidden  # the shipped pair that only tests use
+    path.write_text('[pairs."t"]\nhidden = "yes"\n[pairs."t".target]\nrepo = "a/b"\nfile = "t.gguf"\n')
+    refused(path, "pairs.t.hidden is 'yes'; it must be true or false")
+
+
 def test_specs_built_in_code_are_checked_too():
     with pytest.raises(RegistryError, match="model file is '../x'"):
         ModelSpec(repo="a/b", file="../x")

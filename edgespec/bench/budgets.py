@@ -1,9 +1,11 @@
 """The memory-budget sweep: `bench --memory-budget 1GiB,2GiB,4GiB,8GiB`.
 
 For each budget the planner picks a configuration in its fallback order (the pair with its
-draft model, then n-gram drafting alone, then plain decoding, then smaller contexts), and one
-process per budget and prompt runs it with `--memory-budget` set, so that what it measures
-(peak RSS, decode speed, acceptance) is that configuration alone. Table, JSON and a chart.
+draft model, then n-gram drafting alone, then plain decoding, then smaller contexts) by the
+rule `plan` and `run` follow (the prompt cache's share, --cache-ram, set aside first), and one
+process per budget and prompt runs it with `--memory-budget` and `--cache-ram` set, so that what
+it measures (peak RSS, decode speed, acceptance) is that configuration alone. A budget that fits
+nothing, or whose run fails, is a row that says so; the sweep goes on. Table, JSON and a chart.
 """
 from __future__ import annotations
 
@@ -27,17 +29,20 @@ def parse_budgets(text: str) -> list[int]:
     parts = [p for p in str(text).split(",") if p.strip()]
     if not parts:
         raise UsageError(f"--memory-budget takes sizes like 1GiB,2GiB,4GiB, got {text!r}")
-    return [parse_size(p) for p in parts]
+    return [parse_size(p, "--memory-budget") for p in parts]
 
 
 def choices(settings, t_info, d_info, budgets: list[int]) -> list[dict]:
-    """The planner's choice for each budget: {budget_bytes, drafter, n_ctx, estimated_bytes,
-    reason} (drafter None when nothing fits)."""
+    """The planner's choice for each budget, by the rule `plan` and `run` follow (assemble.plan_for:
+    the prompt cache's share set aside first): {budget_bytes, cache_bytes, fit_bytes, drafter,
+    n_ctx, estimated_bytes, reason} (drafter None when nothing fits)."""
     from ..assemble import plan_for
     out = []
     for b in budgets:
-        ch = plan_for(settings, t_info, d_info, budget=b)["choice"]
-        out.append({"budget_bytes": b, "drafter": ch.get("drafter"), "n_ctx": ch.get("n_ctx"),
+        res = plan_for(replace(settings, memory_budget=b), t_info, d_info)
+        ch = res["choice"]
+        out.append({"budget_bytes": b, "cache_bytes": res["cache_bytes"], "fit_bytes": res["fit_bytes"],
+                    "drafter": ch.get("drafter"), "n_ctx": ch.get("n_ctx"),
                     "estimated_bytes": ch.get("estimated_bytes"), "reason": ch["reason"]})
     return out
 
@@ -46,8 +51,10 @@ def child_command(settings, target, draft, choice: dict, prompt_file: str, max_t
     """`edgespec run` for one budget: the chosen context, the budget itself (the child plans again
     and drops the draft model exactly as the sweep's plan did), the settings that decide memory."""
     drafter = {"model": "auto", "ngram": "auto", "none": "none"}[choice["drafter"]]
+    cache = choice.get("cache_bytes")  # the share the sweep's plan set aside, given explicitly
     cmd = [sys.executable, "-m", "edgespec", "run", "--target", str(target), "--drafter", drafter,
-           "--ctx", str(choice["n_ctx"]), "--memory-budget", str(choice["budget_bytes"]), "--json",
+           "--ctx", str(choice["n_ctx"]), "--memory-budget", f"{choice['budget_bytes']}B",
+           *(["--cache-ram", f"{cache}B" if cache else "0"] if cache is not None else []), "--json",
            "--max-tokens", str(max_tokens), "-f", prompt_file, "--flash-attn", settings.flash_attn,
            "--n-gpu-layers", str(settings.n_gpu_layers), "--draft-n-gpu-layers", str(settings.draft_n_gpu_layers)]
     if draft is not None and choice["drafter"] != "none":
@@ -76,10 +83,12 @@ def run_child(cmd: list[str]) -> dict:
 
 
 def sweep(settings, budgets: list[int], prompts: list[dict], *, max_tokens: int = 128,
-          runner: Callable[[list[str]], dict] = run_child, say: Optional[Callable[[str], None]] = None) -> dict:
-    """Plan each budget, run its choice once per prompt (each in its own process), report."""
+          runner: Optional[Callable[[list[str]], dict]] = None, say: Optional[Callable[[str], None]] = None) -> dict:
+    """Plan each budget, run its choice once per prompt (each in its own process, by `runner`:
+    default run_child), report."""
     from ..assemble import resolve_files
     from ..ggufinfo import read_info
+    runner = runner or run_child
     target, draft = resolve_files(replace(settings, drafter="auto"))
     t_info, d_info = read_info(target), read_info(draft) if draft else None
     rows = []
@@ -91,12 +100,16 @@ def sweep(settings, budgets: list[int], prompts: list[dict], *, max_tokens: int 
                     fh.write(it["prompt"])
                 try:
                     res = runner(child_command(settings, target, draft, ch, fh.name, max_tokens))
+                except UsageError as exc:  # this budget's run failed: a row that says so, and on to the next
+                    row["error"] = str(exc)
+                    break
                 finally:
                     Path(fh.name).unlink()
                 st = res["stats"]
                 row["runs"].append({"id": it["id"], "kind": it["kind"], "tokens_per_second": st["tokens_per_second"],
                                     "acceptance": st["acceptance_rate"], "drafter": st.get("drafter"),
                                     "peak_rss_bytes": max(res["peak_rss_bytes"], res.get("peak_rss_sampled_bytes", 0))})
+        if row["runs"] and "error" not in row:
             row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in row["runs"])
             row["tokens_per_second"] = statistics.mean(r["tokens_per_second"] for r in row["runs"])
             row["acceptance"] = statistics.mean(r["acceptance"] for r in row["runs"])
@@ -110,29 +123,43 @@ def sweep(settings, budgets: list[int], prompts: list[dict], *, max_tokens: int 
 CONFIG_NAMES = {"model": "pair (draft model)", "ngram": "n-gram only", "none": "plain decoding"}
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / MiB:.3g} MiB"
+
+
+def _cache_words(row: dict) -> str:
+    cache = row.get("cache_bytes")
+    return f" ({_size(cache)} of it for the prompt cache)" if cache else ""
+
+
 def describe(row: dict) -> str:
-    gib = row["budget_bytes"] / 2**30
+    head = f"{_size(row['budget_bytes'])}{_cache_words(row)}"
     if row["drafter"] is None:
-        return f"{gib:g} GiB: nothing fits ({row['reason']})"
-    s = (f"{gib:g} GiB: {CONFIG_NAMES[row['drafter']]} at n_ctx {row['n_ctx']}, "
+        return f"{head}: nothing fits ({row['reason']})"
+    s = (f"{head}: {CONFIG_NAMES[row['drafter']]} at n_ctx {row['n_ctx']}, "
          f"planned {row['estimated_bytes'] / MiB:.0f} MiB")
+    if "error" in row:
+        s += f", but its run failed: {row['error']}"
     if "peak_rss_bytes" in row:
         s += f", measured {row['peak_rss_bytes'] / MiB:.0f} MiB, {row['tokens_per_second']:.1f} tok/s"
     return s
 
 
 def format_table(report: dict) -> str:
-    lines = ["| budget | configuration | n_ctx | planned (MiB) | measured peak (MiB) | tok/s | acceptance |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| budget | prompt cache (MiB) | configuration | n_ctx | planned (MiB) | measured peak (MiB) | tok/s "
+             "| acceptance |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        b = f"{r['budget_bytes'] / 2**30:g} GiB"
+        b = _size(r["budget_bytes"])
+        cache = f"{r['cache_bytes'] / MiB:.3g}" if r.get("cache_bytes") is not None else ""
         if r["drafter"] is None:
-            lines.append(f"| {b} | nothing fits | | | | | |")
+            lines.append(f"| {b} | {cache} | nothing fits | | | | | |")
             continue
+        config = CONFIG_NAMES[r["drafter"]] + (" (run failed)" if "error" in r else "")
         peak = f"{r['peak_rss_bytes'] / MiB:.0f}" if "peak_rss_bytes" in r else ""
         tps = f"{r['tokens_per_second']:.1f}" if "tokens_per_second" in r else ""
         acc = f"{r['acceptance']:.2f}" if "acceptance" in r else ""
-        lines.append(f"| {b} | {CONFIG_NAMES[r['drafter']]} | {r['n_ctx']} | {r['estimated_bytes'] / MiB:.0f} | "
+        lines.append(f"| {b} | {cache} | {config} | {r['n_ctx']} | {r['estimated_bytes'] / MiB:.0f} | "
                      f"{peak} | {tps} | {acc} |")
     return "\n".join(lines)
 
@@ -154,7 +181,7 @@ def plot(report: dict, path: Path) -> Optional[Path]:
         if "tokens_per_second" in r:
             ax.annotate(f"{r['tokens_per_second']:.1f} tok/s", (xi, r["estimated_bytes"] / MiB), ha="center",
                         va="bottom", fontsize=7, xytext=(0, 3), textcoords="offset points")
-    ax.set_xticks(x, [f"{r['budget_bytes'] / 2**30:g} GiB\n{CONFIG_NAMES[r['drafter']]}\nn_ctx {r['n_ctx']}"
+    ax.set_xticks(x, [f"{_size(r['budget_bytes'])}\n{CONFIG_NAMES[r['drafter']]}\nn_ctx {r['n_ctx']}"
                       for r in rows], fontsize=7)
     ax.set_ylabel("MiB")
     ax.legend(fontsize=7)

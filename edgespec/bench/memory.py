@@ -52,8 +52,9 @@ def memory_bench(settings, opts, items) -> int:
 
     budget = settings.budget_bytes()
     target, draft = resolve_files(replace(settings, drafter="auto"))
-    result = plan_for(replace(settings, drafter="auto"), read_info(target), read_info(draft) if draft else None,
-                      budget=budget)
+    # the rule `plan` and `run` follow: the prompt cache's share is set aside before fitting
+    result = plan_for(replace(settings, drafter="auto"), read_info(target), read_info(draft) if draft else None)
+    cache = result["cache_bytes"]
     configs = [c for c in result["configs"] if c["fits"] and c["n_ctx"] == settings.n_ctx]
     firsts = list({it["kind"]: it for it in items}.values())  # one prompt per kind
     rows = []
@@ -64,7 +65,8 @@ def memory_bench(settings, opts, items) -> int:
             cmd = [sys.executable, "-m", "edgespec", "run", "--target", str(target), "--drafter", cfg["drafter"],
                    "--ctx", str(cfg["n_ctx"]), "--json", "--max-tokens", str(opts.bench_tokens), "-f", fh.name,
                    "--flash-attn", settings.flash_attn, "--n-gpu-layers", str(settings.n_gpu_layers),
-                   "--draft-n-gpu-layers", str(settings.draft_n_gpu_layers)]
+                   "--draft-n-gpu-layers", str(settings.draft_n_gpu_layers),
+                   "--cache-ram", f"{cache}B" if cache else "0"]
             if cfg["drafter"] == "model":
                 cmd += ["--draft", str(draft)]
             child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -86,7 +88,8 @@ def memory_bench(settings, opts, items) -> int:
             print(f"[{i}/{len(configs)}] {cfg['drafter']:<6} {it['id']:<20} {tps:6.1f} tok/s  "
                   f"peak {peak / 2**20:7.0f} MiB  estimate {cfg['estimated_bytes'] / 2**20:7.0f} MiB",
                   file=sys.stderr, flush=True)
-    report = {"budget_bytes": budget, "choice": result["choice"], "rows": rows}
+    report = {"budget_bytes": budget, "cache_bytes": cache, "fit_bytes": result["fit_bytes"],
+              "choice": result["choice"], "rows": rows}
     out_path = Path(opts.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))

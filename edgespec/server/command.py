@@ -53,10 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also accept requests whose Host header is NAME or NAME:PORT (a name this machine "
                    "has on the network, or a proxy's); repeatable, '*' for any. By default only 127.0.0.1, "
                    "localhost, [::1] and the --host address are accepted, which keeps DNS-rebinding pages out")
-    p.add_argument("--cache-ram", default=None, metavar="SIZE",
-                   help="host RAM for the KV caches of conversations that may come back (e.g. 512MiB; 0 = off): "
-                   "a chat that returns after another one skips the prefill of what it had. Default: a tenth "
-                   "of --memory-budget or of the free RAM, at most 1 GiB")
+    # --cache-ram comes with the model flags (_add_model_args), the same on every verb
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="also keep the conversations' KV caches in DIR, so that a restart with the same long "
                    "system prompt skips its prefill (entries of another model file or llama.cpp build are refused)")

@@ -19,6 +19,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
     try:
         plan = choose(args.backend, args.amx)
     except BuildError as exc:
-        print(f"buildflags: {exc}")
+        print(f"buildflags: {exc}", file=sys.stderr)
         return 2
     for r in plan.reasons:
         print(f"# {r}")

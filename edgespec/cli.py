@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import EdgespecError, UsageError
 from .frontend import (PROG, ProgressBar, _add_flash_attn_arg, _add_model_args, _add_sampling_args, _check_arg_text,
-                       _Parser, _setup_logging, load_engine, request_from_args, settings_from_args)
+                       _Parser, _RawHelp, _setup_logging, load_engine, request_from_args, settings_from_args)
 
 __all__ = ["main", "build_parser", "run_verb"]
 
@@ -17,6 +18,9 @@ def _setup_run(sub) -> None:
                        description="Generate from a prompt with a target model sped up by a drafter. "
                        "The prompt goes through the model's chat template unless --raw.")
     _add_model_args(p)
+    p.add_argument("prompt_arg", nargs="?", metavar="PROMPT",
+                   help="the prompt, as `ollama run MODEL PROMPT` takes it (a lone PROMPT with spaces in it "
+                   "goes to the default pair); none: a chat on a terminal, else stdin")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", "-p", metavar="TEXT", help="the prompt (default: read stdin)")
     src.add_argument("--file", "-f", metavar="F", help="read the prompt from a file")
@@ -56,15 +60,32 @@ def _echo(ev, show_drafts: bool) -> None:
     sys.stdout.flush()
 
 
+def _positional_prompt(args) -> None:
+    """`run PAIR PROMPT`, `run PROMPT`: the positional prompt becomes --prompt."""
+    text = args.prompt_arg
+    if text is None and args.pair and not os.path.exists(args.pair) and (
+            args.target or any(c.isspace() for c in args.pair)):
+        # with --target there is no pair to name; and no pair name holds a space: it is the prompt
+        text, args.pair = args.pair, None
+    if text is None:
+        return
+    if args.prompt is not None or args.file:
+        raise UsageError("give the prompt once: as PROMPT, --prompt TEXT or --file F")
+    args.prompt = text
+
+
 def cmd_run(args) -> int:
+    _positional_prompt(args)
     req = request_from_args(args)
     _check_arg_text("--system", args.system)
     settings_from_args(args)  # every flag checked before a prompt is read or a model loaded
     if args.prompt is None and not args.file and sys.stdin.isatty() and not args.raw and not args.json:
+        from .repl import chat
         with load_engine(args) as engine:
-            return _interactive(engine, args, req)
+            return chat(engine, req, system=args.system, show_drafts=args.show_drafts)
     prompt = _read_prompt(args)
     with load_engine(args) as engine:
+        ProgressBar.finish_open()  # the answer starts on a line of its own
         if args.raw:
             events = engine.stream(prompt, req)
         else:
@@ -86,40 +107,15 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _interactive(engine, args, req) -> int:
-    """Multi-turn chat on a terminal: the conversation so far goes through the chat template."""
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("edgespec chat: type a message, Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            user = input("> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return 0
-        if not user.strip():
-            continue
-        messages.append({"role": "user", "content": user})
-        try:
-            _check_arg_text("the message", user)
-        except UsageError as exc:
-            print(f"{PROG}: {exc}", file=sys.stderr)
-            messages.pop()
-            continue
-        with engine.stream_chat(messages, req) as events:
-            for ev in events:
-                _echo(ev, args.show_drafts)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        print(events.stats.summary(), file=sys.stderr)
-        messages.append({"role": "assistant", "content": events.text})
-
-
 # -- models, pull -----------------------------------------------------------------------------
 def _setup_models(sub) -> None:
     p = sub.add_parser("models", help="list the model pairs of models.toml and what is downloaded",
-                       description="List named model pairs with their download size, a rough RAM "
-                       "need, and which files are already on this machine.")
+                       description="List named model pairs with their download size, the peak RAM `plan` "
+                       "estimates for the pair at the default context (from the GGUF files, once they are "
+                       "downloaded), and which files are already on this machine. Pairs meant for tests "
+                       "(hidden = true in models.toml) are listed only with --all.")
     p.add_argument("--models", metavar="FILE", help="your own models.toml (also $EDGESPEC_MODELS)")
+    p.add_argument("--all", action="store_true", help="also list the pairs meant for tests")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
     p = sub.add_parser("pull", help="download a model pair (Hugging Face Hub, then mirrors)",
@@ -132,35 +128,52 @@ def _setup_models(sub) -> None:
 
 
 def _gb(n) -> str:
-    return f"{n / 1e9:.2f} GB" if n else "?"
+    return f"{n / 2**30:.2f} GiB" if n else "?"
 
 
 def cmd_models(args) -> int:
+    from .assemble import Settings, pair_peak
+    from .errors import EdgespecError
     from .hub import local_path
     from .registry import load_registry
     reg = load_registry(args.models)
-    rows = []
+    settings = Settings(models_file=args.models)  # `plan PAIR`'s defaults: context, drafter, flash attention
+    rows, hidden = [], 0
     for name, pair in sorted(reg.pairs.items()):
+        if pair.hidden and not args.all and name != reg.default:
+            hidden += 1
+            continue
         specs = [s for s in (pair.target, pair.draft) if s]
         size = sum(s.size or 0 for s in specs) if all(s.size for s in specs) else None
         local = [local_path(s) for s in specs]
-        rows.append({"name": name, "default": name == reg.default, "description": pair.description,
+        peak = None
+        if all(local):  # the planner reads GGUF metadata: only files on this machine
+            try:
+                peak = pair_peak(local[0], local[1] if pair.draft else None, settings)
+            except EdgespecError:  # a damaged file: `plan NAME` says what is wrong with it
+                peak = None
+        rows.append({"name": name, "default": name == reg.default, "hidden": pair.hidden,
+                     "description": pair.description,
                      "target": f"{pair.target.repo}/{pair.target.file}",
                      "draft": f"{pair.draft.repo}/{pair.draft.file}" if pair.draft else None,
                      "download_bytes": size,
-                     # weights are mapped whole; KV cache and buffers at 4k context add roughly a fifth
-                     "ram_bytes_estimate": int(size * 1.2) if size else None,
+                     "planned_peak_bytes": peak["estimated_bytes"] if peak else None,
+                     "planned_config": {k: peak[k] for k in ("drafter", "n_ctx")} if peak else None,
                      "local": all(local), "paths": [str(p) if p else None for p in local]})
     if args.json:
-        print(json.dumps({"default": reg.default, "pairs": rows}, indent=1))
+        print(json.dumps({"default": reg.default, "hidden_pairs": hidden, "pairs": rows}, indent=1))
         return 0
-    print(f"{'pair':<24} {'download':>10} {'RAM (est.)':>11}  {'local':<5}  files")
+    print(f"{'pair':<24} {'download':>10} {'peak (plan)':>12}  {'local':<5}  files")
     for r in rows:
         mark = "*" if r["default"] else " "
         files = r["target"] + (f" + {r['draft']}" if r["draft"] else "")
-        print(f"{mark}{r['name']:<23} {_gb(r['download_bytes']):>10} {_gb(r['ram_bytes_estimate']):>11}  "
+        name = r["name"] + (" (test)" if r["hidden"] else "")
+        print(f"{mark}{name:<23} {_gb(r['download_bytes']):>10} {_gb(r['planned_peak_bytes']):>12}  "
               f"{'yes' if r['local'] else 'no':<5}  {files}")
-    print("* default pair.  `python -m edgespec pull NAME` downloads one.")
+    print(f"* default pair.  peak: `plan`'s estimate at n_ctx {settings.n_ctx} with the draft model (n-gram drafting "
+          "for a target alone), before the prompt cache; ? until the files are here.")
+    print("`python -m edgespec pull NAME` downloads one; `python -m edgespec plan NAME --memory-budget 4GiB` "
+          "says what fits." + (f"  {hidden} pair(s) for tests not shown (--all)." if hidden else ""))
     return 0
 
 
@@ -194,28 +207,24 @@ def _setup_plan(sub) -> None:
     p.add_argument("--models", metavar="FILE", help="your own models.toml")
     p.add_argument("--ctx", type=int, default=4096, metavar="N", help="wanted context size (default 4096)")
     p.add_argument("--drafter", default="auto", metavar="MODE", help="wanted drafter: auto | model | ngram | none")
-    p.add_argument("--memory-budget", metavar="SIZE", help="e.g. 2GiB, 1500MB, 2g (default: available RAM)")
+    from .assemble import BUDGET_FLAGS
+    for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: as on every other verb
+        p.add_argument(flag, **kw)
     p.add_argument("--n-gpu-layers", type=int, default=-1, metavar="N", help="target layers on the GPU (-1 all)")
     p.add_argument("--draft-n-gpu-layers", type=int, default=-1, metavar="N", help="draft layers on the GPU")
     _add_flash_attn_arg(p)
     p.add_argument("--json", action="store_true", help='print {"configs": [...], "choice": {...}}')
     p.set_defaults(func=cmd_plan)
-    p = sub.add_parser("doctor", help="what this machine and install can do",
-                       description="llama-cpp-python version and build (GPU offload?), threads, RAM, "
-                       "cached models and calibrations.")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=cmd_doctor)
 
 
 def cmd_plan(args) -> int:
     from .assemble import plan_for, resolve_files
     from .ggufinfo import read_info
     settings = settings_from_args(args)
-    budget = settings.budget_bytes()
     target, d_path = resolve_files(settings, download=False)
     t = read_info(target)
     d = read_info(d_path) if d_path else None
-    result = plan_for(settings, t, d, budget=budget)
+    result = plan_for(settings, t, d)  # the rule `run`, `serve`, bench and Engine.load follow
     if args.json:
         for c in result["configs"]:
             c.pop("parts")
@@ -223,18 +232,59 @@ def cmd_plan(args) -> int:
         return 0
     from .assemble import offloaded_layers, plan_mode
     from .memory import explain
-    print("\n".join(explain(result, t, d, n_ctx=settings.n_ctx, drafter=plan_mode(settings), budget_given=bool(budget),
+    print("\n".join(explain(result, t, d, n_ctx=settings.n_ctx, drafter=plan_mode(settings),
+                             budget_given=settings.memory_budget is not None,
                              gpu_layers=offloaded_layers(settings.n_gpu_layers),
                              draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers),
                              flash_attn=settings.flash_attn)))
-    print(f"\nAll configurations:\n{'drafter':<8} {'n_ctx':>6} {'estimate':>10}  fits")
+    print(f"\nAll configurations (fits: in {result['fit_bytes'] / 2**30:.2f} GiB):\n"
+          f"{'drafter':<8} {'n_ctx':>6} {'estimate':>10}  fits")
     for c in result["configs"]:
         fits = "yes" if c["fits"] else "no"
         print(f"{c['drafter']:<8} {c['n_ctx']:>6} {c['estimated_bytes'] / 2**30:>8.2f} GiB  {fits}")
     return 0
 
 
+def _setup_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="check this machine and install: a self-test of llama.cpp, caches",
+                       description="Run llama.cpp's self-test (a tiny test model decoded in a child process and "
+                       "compared with a reference: a crash or wrong numbers are reported, not suffered), then "
+                       "report the llama-cpp-python build (CPU features, GPU offload), threads, RAM, downloaded "
+                       "pairs and this device's calibrations. Exit 1 when the self-test fails.")
+    p.add_argument("--self-test", action="store_true", help="run only the self-test and print its one line")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_doctor)
+
+
+def _calibrations() -> list[dict]:
+    """What each cached calibration is for: its models, threads, and a target step."""
+    from .registry import cache_dir
+    rows = []
+    for f in sorted((cache_dir() / "calibration").glob("*.json")):
+        try:
+            data = json.loads(f.read_text())
+            key, verify = data["key"], data["verify"]
+            target, draft = key["target"], key.get("draft")
+            rows.append({"target": os.path.basename(target["path"]),
+                         "draft": os.path.basename(draft["path"]) if draft else None,
+                         "threads": target.get("threads"), "step_ms": 1000 * float(verify[0]),
+                         "source": data.get("source") or "measured", "file": str(f)})
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            continue  # not ours, or damaged: calibrate.py measures again when it needs one
+    return rows
+
+
 def cmd_doctor(args) -> int:
+    from . import selftest
+    result = selftest.check()
+    if result.ok and (key := selftest.build_key()):
+        selftest.remember(key, result)
+    if args.self_test:
+        if args.json:
+            print(json.dumps({"ok": result.ok, "line": result.line, **result.details}, indent=1))
+        else:
+            print(result.line, file=sys.stdout if result.ok else sys.stderr)
+        return 0 if result.ok else 1
     import platform
     import psutil
     import llama_cpp
@@ -245,38 +295,47 @@ def cmd_doctor(args) -> int:
     info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     reg = load_registry()
     cached = {name: all(local_path(s) for s in (p.target, p.draft) if s) for name, p in reg.pairs.items()}
-    calib = sorted((cache_dir() / "calibration").glob("*.json"))
+    calib = _calibrations()
     report = {"edgespec": __import__("edgespec").__version__, "python": platform.python_version(),
               "llama_cpp_python": llama_cpp.__version__, "gpu_offload": gpu_offload_supported(),
               "backend": ("CUDA" if "CUDA" in info else "Metal" if "METAL" in info.upper() else
                           "GPU" if gpu_offload_supported() else "CPU"),
+              "self_test": {"ok": result.ok, "line": result.line},
               "system_info": info, "threads_default": default_threads(), "cpu_count": psutil.cpu_count(),
               "ram_total_bytes": psutil.virtual_memory().total,
               "ram_available_bytes": psutil.virtual_memory().available,
               "hf_cache": str(hf_cache_dir()), "edgespec_cache": str(cache_dir()),
-              "pairs_cached": cached, "calibrations": len(calib)}
+              "pairs_cached": cached, "calibrations": calib}
     if args.json:
         print(json.dumps(report, indent=1))
-        return 0
+        return 0 if result.ok else 1
+    print(result.line)
     print(f"edgespec {report['edgespec']}, Python {report['python']}, llama-cpp-python {report['llama_cpp_python']}")
     print(f"backend: {report['backend']} (GPU offload {'supported' if report['gpu_offload'] else 'not in this build'})")
+    print(f"llama.cpp build: {info}")
     print(f"threads: {report['threads_default']} by default, {report['cpu_count']} logical CPUs")
     print(f"RAM: {report['ram_total_bytes'] / 2**30:.1f} GiB total, "
           f"{report['ram_available_bytes'] / 2**30:.1f} GiB available")
     print(f"caches: {report['hf_cache']} (Hub), {report['edgespec_cache']} (mirrors, calibration)")
     print("pairs downloaded: " + (", ".join(n for n, ok in cached.items() if ok) or "none"))
-    print(f"calibrations: {len(calib)}")
+    if calib:
+        print(f"calibrated ({len(calib)}; `edgespec calibrate PAIR` measures again):")
+        for c in calib:
+            pair = c["target"] + (f" + {c['draft']}" if c["draft"] else "")
+            print(f"  {pair}, {c['threads']} threads: a target step {c['step_ms']:.0f} ms ({c['source']})")
+    else:
+        print("calibrated: nothing yet (the first `run` with --drafter auto measures this device, ~20 s)")
     if not report["gpu_offload"]:
-        print("for GPU offload reinstall llama-cpp-python with CMAKE_ARGS=\"-DGGML_CUDA=on\" (Jetson, NVIDIA) "
-              "or -DGGML_METAL=on (Apple); see README")
-    return 0
+        print("GPU offload: rebuild with `make setup BACKEND=cuda` (NVIDIA, Jetson) or BACKEND=metal (Apple); "
+              "see README")
+    return 0 if result.ok else 1
 
 
 # -- bench ----------------------------------------------------------------------------------
 def _setup_bench(sub) -> None:
     from . import bench
     p = sub.add_parser("bench", help="benchmark against plain decoding on the workloads",
-                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=bench.__doc__, formatter_class=_RawHelp)
     bench.add_arguments(p)
     _add_model_args(p, drafter=False)
     p.set_defaults(func=cmd_bench)
@@ -321,21 +380,39 @@ def cmd_calibrate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Exact speculative decoding for GGUF models on llama.cpp.")
+    parser = _Parser(prog=PROG, description="Exact speculative decoding for GGUF models on llama.cpp: the "
+                     "target model's own answers, sooner. Start with `edgespec run` (a chat with the default "
+                     "pair) or `edgespec doctor` (does llama.cpp work here?); `edgespec VERB --help` for more.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    sub.required = True
     _setup_run(sub)
     _setup_bench(sub)
     _setup_calibrate(sub)
     _setup_models(sub)
     _setup_plan(sub)
+    _setup_doctor(sub)
     from .server import add_parser as add_serve  # the web stack itself is imported when `serve` runs
     add_serve(sub)
     return parser
 
 
+def _version() -> str:
+    import edgespec
+    try:
+        from importlib.metadata import version
+        lcpp = version("llama-cpp-python")
+    except Exception:
+        lcpp = "not installed"
+    return f"{edgespec.__version__} (llama-cpp-python {lcpp})"
+
+
 def main(argv=None) -> int:
-    return run_verb(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb is None:  # a bare `edgespec`: what it can do, not an error
+        parser.print_help()
+        return 0
+    return run_verb(args)
 
 
 def run_verb(args) -> int:
@@ -344,9 +421,11 @@ def run_verb(args) -> int:
     try:
         return args.func(args)
     except EdgespecError as exc:
+        ProgressBar.finish_open()
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        ProgressBar.finish_open()
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

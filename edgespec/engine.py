@@ -51,8 +51,9 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
-        """Decode phase only: generated tokens over the time after the prompt was processed."""
-        return self.generated / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """Decode phase only: the tokens after the first (which the prompt's own pass yields) over
+        the time after the prompt was processed; 0 when there is no such token."""
+        return (self.generated - 1) / self.decode_seconds if self.generated > 1 and self.decode_seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -61,7 +62,8 @@ class GenerationStats:
         return d
 
     def summary(self) -> str:
-        s = (f"{self.generated} tokens, {self.tokens_per_second:.1f} tok/s, "
+        rate = f"{self.tokens_per_second:.1f} tok/s" if self.generated > 1 else "no decode rate from one token"
+        s = (f"{self.generated} token{'s' if self.generated != 1 else ''}, {rate}, "
              f"prompt {self.prompt_tokens} tok in {self.prompt_seconds:.2f}s, "
              f"{self.target_forwards} target passes, drafter {self.drafter}")
         if self.drafted:

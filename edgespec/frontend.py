@@ -18,6 +18,7 @@ class _Stderr(logging.Handler):
 
     def emit(self, record):
         try:
+            ProgressBar.finish_open()  # a notice never lands on a half-drawn bar
             sys.stderr.write(f"{PROG}: {record.getMessage()}\n")
             sys.stderr.flush()
         except (OSError, ValueError):
@@ -46,15 +47,40 @@ def _setup_logging(verbose: bool):
 
 class ProgressBar:
     """Turns the library's Progress reports into one self-rewriting line on a terminal
-    (nothing at all when stderr is not a terminal)."""
+    (nothing at all when stderr is not a terminal). A line reaching 100% ends itself; one left
+    open (work that ended short of it, or another task starting) is ended by `finish()`, or
+    `ProgressBar.finish_open()` for whichever bar drew last, before anything else is printed."""
+
+    _open: "ProgressBar | None" = None  # the bar whose line the cursor is on (one terminal line for all)
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
         self.live = self.stream.isatty()
+        self._task = None
+
+    def finish(self) -> None:
+        """End this bar's line with a newline if it is open; nothing otherwise."""
+        if ProgressBar._open is not self:
+            return
+        ProgressBar._open = None
+        try:
+            self.stream.write("\n")
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    @classmethod
+    def finish_open(cls) -> None:
+        """End the open line of whichever bar drew last (before a banner, a prompt, a notice)."""
+        if cls._open is not None:
+            cls._open.finish()
 
     def __call__(self, p) -> None:
         if not self.live:
             return
+        if ProgressBar._open is not None and (ProgressBar._open is not self or self._task != p.task):
+            ProgressBar._open.finish()  # another task's line stays on the screen, ended
+        self._task = p.task
         if p.unit == "bytes":
             done = f"{p.done / 2**20:,.0f}" + (f"/{p.total / 2**20:,.0f} MiB" if p.total else " MiB")
         else:
@@ -67,12 +93,32 @@ class ProgressBar:
         label = {"download": "downloading", "verify": "checking sha256", "calibrate": "calibrating this device"}
         line = f"\r{label.get(p.task, p.task)} {p.detail} {bar}{done}"
         self.stream.write(line[:200].ljust(80))
+        ProgressBar._open = self
         if frac is not None and frac >= 1.0:
-            self.stream.write("\n")
+            self.finish()
         self.stream.flush()
 
 
+class _Help(argparse.HelpFormatter):
+    """Every option's default in --help: appended where the help text does not say it already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" not in text and action.option_strings and action.default not in (None, False, [], "==SUPPRESS==")
+                and action.nargs != 0):
+            text += f" (default {action.default})"
+        return text
+
+
+class _RawHelp(_Help, argparse.RawDescriptionHelpFormatter):
+    """The same, for a description laid out by hand (bench's)."""
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, exit 2, as for every other bad input
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -80,43 +126,52 @@ class _Parser(argparse.ArgumentParser):
 def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     p.add_argument("pair", nargs="?", metavar="PAIR",
                    help="model pair name from models.toml (default: the file's default pair)")
-    p.add_argument("--target", metavar="PATH", help="target GGUF file (instead of a pair)")
-    p.add_argument("--draft", metavar="PATH", help="draft GGUF file (overrides the pair's draft)")
+    p.add_argument("--target", "-m", "--model", metavar="PATH", help="target GGUF file (instead of a pair)")
+    p.add_argument("--draft", "-md", "--model-draft", metavar="PATH",
+                   help="draft GGUF file (overrides the pair's draft)")
     if drafter:
         from .assemble import REGISTRY
         p.add_argument("--drafter", default="auto", metavar="MODE",
                        help="; ".join(f"{k.name}: {k.help}" for k in REGISTRY.values()) + " (default auto)")
     p.add_argument("--models", metavar="FILE", help="your own models.toml, extending the built-in one "
                    "(also $EDGESPEC_MODELS)")
-    p.add_argument("--ctx", type=int, default=4096, metavar="N", help="context size in tokens (default 4096)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: physical cores)")
-    p.add_argument("--n-gpu-layers", type=int, default=-1, metavar="N",
+    p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=4096, metavar="N",
+                   help="context size in tokens (default 4096)")
+    p.add_argument("--threads", "-t", type=int, default=None, metavar="N",
+                   help="CPU threads (default: physical cores)")
+    p.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=int, default=-1, metavar="N",
                    help="target layers to offload to the GPU; -1 = all, 0 = CPU only (default -1)")
-    p.add_argument("--draft-n-gpu-layers", type=int, default=-1, metavar="N",
+    p.add_argument("--draft-n-gpu-layers", "-ngld", "--n-gpu-layers-draft", type=int, default=-1, metavar="N",
                    help="draft layers to offload to the GPU (default -1)")
-    p.add_argument("--gamma", type=int, default=4, metavar="N",
+    p.add_argument("--gamma", "--draft-max", type=int, default=4, metavar="N",
                    help="draft length per round for --drafter model/ngram (default 4; auto chooses its own)")
-    p.add_argument("--memory-budget", metavar="SIZE", default=None,
-                   help="e.g. 2GiB, 1500MB, 2g: drop the draft model for n-grams when it would not fit")
+    from .assemble import BUDGET_FLAGS
+    for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: the same on every verb
+        p.add_argument(flag, **kw)
     _add_flash_attn_arg(p)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's own logs")
 
 
 def _add_flash_attn_arg(p: argparse.ArgumentParser) -> None:
     from .assemble import FLASH_ATTN, Settings
-    p.add_argument("--flash-attn", choices=FLASH_ATTN, default=Settings.flash_attn,
+    p.add_argument("--flash-attn", "-fa", choices=FLASH_ATTN, default=Settings.flash_attn,
                    help=f"llama.cpp's flash attention (default {Settings.flash_attn}): off materialises "
                    "attention scores for every cached position, hundreds of MiB at long contexts; "
                    "see README, \"Memory\"")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens to generate at most (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1]; 1 = off")
-    p.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens below P x the top probability")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for reproducible sampling")
+    p.add_argument("--max-tokens", "-n", "--n-predict", type=int, default=256, metavar="N",
+                   help="tokens to generate at most (default 256)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, metavar="T", help="0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep the K most likely tokens; 0 = off (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling mass in (0, 1]; 1 = off (default 1)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens below P x the top probability; 0 = off (default 0)")
+    p.add_argument("--seed", "-s", type=int, default=None, metavar="S",
+                   help="random seed for reproducible sampling (default: a fresh one each run)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
     c = p.add_mutually_exclusive_group()
     c.add_argument("--json-schema", metavar="FILE|JSON",
@@ -183,8 +238,8 @@ def settings_from_args(args, **overrides):
     fields = dict(target=args.target or args.pair, draft=args.draft, drafter=getattr(args, "drafter", "auto"),
                   n_ctx=args.ctx, threads=getattr(args, "threads", None), n_gpu_layers=args.n_gpu_layers,
                   draft_n_gpu_layers=args.draft_n_gpu_layers, gamma=getattr(args, "gamma", 4),
-                  memory_budget=args.memory_budget, models_file=args.models,
-                  verbose=getattr(args, "verbose", False))
+                  memory_budget=args.memory_budget, cache_ram=getattr(args, "cache_ram", None),
+                  models_file=args.models, verbose=getattr(args, "verbose", False))
     if getattr(args, "flash_attn", None) is not None:
         fields["flash_attn"] = args.flash_attn
     fields.update(overrides)

@@ -187,3 +187,57 @@ def test_bench_bad_arguments(smol, capsys):
     # bench compares modes (--modes); a --drafter flag would be silently ignored, so it is refused
     code, _, err = run_cli(["bench", "--target", str(smol), "--drafter", "none"], capsys)
     assert_usage_error(code, err, "unrecognized arguments: --drafter")
+
+
+# -- --memory-budget and --cache-ram: one rule on every verb ----------------------------------
+_VERBS = [["plan"], ["run", "--prompt", "hi"], ["bench"], ["calibrate"], ["serve", "--port", "0"]]
+
+
+@pytest.mark.parametrize("verb, flag, value", [(v, f, x) for v in _VERBS for f, x in
+                                               (("--memory-budget", "10"), ("--cache-ram", "512"))]
+                         + [(["bench"], "--memory-budget", "1GiB,10")])  # the sweep's list
+def test_a_size_without_a_unit_is_one_line_and_exit_2(smol, capsys, verb, flag, value):
+    code, out, err = run_cli([*verb, "--target", str(smol), flag, value], capsys)
+    assert_usage_error(code, err, f"'{value.split(',')[-1]}' has no unit", "2GiB")
+    assert out == ""
+
+
+def test_cache_ram_is_the_same_flag_on_every_verb_and_plan_says_it(smol, capsys):
+    from edgespec.cli import build_parser
+    parser = build_parser()
+    helps = set()
+    for verb in ("run", "bench", "calibrate", "serve", "plan"):
+        args = parser.parse_args([verb, "--cache-ram", "64MiB", "--memory-budget", "1GiB"])
+        assert (args.cache_ram, args.memory_budget) == ("64MiB", "1GiB"), verb
+        sub = parser._subparsers._group_actions[0].choices[verb]
+        helps.add(next(a.help for a in sub._actions if "--cache-ram" in a.option_strings))
+    assert len(helps) == 1  # one definition: same help, same default
+    code, out, _ = run_cli(["plan", "--target", str(smol), "--memory-budget", "1GiB", "--cache-ram", "256MiB"],
+                           capsys)
+    assert code == 0
+    assert out.startswith("Budget: 1.00 GiB (--memory-budget), less 0.25 GiB kept for the prompt cache "
+                          "(--cache-ram SIZE changes it, --cache-ram 0 turns it off): 0.75 GiB for the models.")
+    code, out, _ = run_cli(["plan", "--target", str(smol), "--memory-budget", "1GiB", "--json"], capsys)
+    res = json.loads(out)  # the default share, a tenth, is said too
+    assert (res["budget_bytes"], res["cache_bytes"], res["fit_bytes"]) == (2**30, 2**30 // 10, 2**30 - 2**30 // 10)
+    code, out, _ = run_cli(["plan", "--target", str(smol), "--memory-budget", "1GiB", "--cache-ram", "0"], capsys)
+    assert "none of it kept for a prompt cache (--cache-ram 0)" in out
+
+
+def test_models_shows_plans_peak_in_gib_and_hides_test_pairs(capsys):
+    code, out, _ = run_cli(["models"], capsys)
+    assert code == 0 and "gemma-3-270m " not in out and "1 pair(s) for tests not shown (--all)" in out
+    assert " GB" not in out and "peak (plan)" in out and "RAM (est.)" not in out
+    code, listed, _ = run_cli(["models", "--json"], capsys)
+    smol = next(p for p in json.loads(listed)["pairs"] if p["name"] == "smollm2-135m")
+    # the planner's peak for the pair at the default context: the figure `plan` prints for it
+    code, plan_out, _ = run_cli(["plan", "smollm2-135m", "--json"], capsys)
+    want = next(c for c in json.loads(plan_out)["configs"] if (c["drafter"], c["n_ctx"]) == ("ngram", 4096))
+    assert smol["planned_peak_bytes"] == want["estimated_bytes"]
+    assert smol["planned_config"] == {"drafter": "ngram", "n_ctx": 4096}
+    line = next(x for x in out.splitlines() if x[1:].startswith("smollm2-135m "))
+    assert f"{want['estimated_bytes'] / 2**30:.2f} GiB" in line
+    not_here = next(x for x in out.splitlines() if x[1:].startswith("llama-3.1-8b "))
+    assert " ? " in not_here  # no GGUF metadata on this machine: no guess
+    code, out, _ = run_cli(["models", "--all"], capsys)
+    assert "gemma-3-270m (test)" in out and "not shown" not in out

@@ -54,7 +54,7 @@ class Options:
 
     def validate(self) -> "Options":
         if self.bench_tokens < 1 or self.trials < 1:
-            raise UsageError("--bench-tokens and --trials must be >= 1")
+            raise UsageError("--max-tokens and --trials must be >= 1")
         if self.limit is not None and self.limit < 1:
             raise UsageError("--limit must be >= 1")
         if self.structured and self.kinds != STRUCTURED:
@@ -74,7 +74,7 @@ def add_arguments(p) -> None:
                    help="JSONL of {id, kind, prompt} (default: the workloads shipped with edgespec)")
     p.add_argument("--kinds", default=None, metavar="K1,K2", help="only these kinds")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per kind")
-    p.add_argument("--bench-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-tokens", "-n", "--bench-tokens", dest="bench_tokens", type=int, default=None, metavar="N",
                    help=f"tokens per generation (default 128; {STRUCTURED_TOKENS} for --kinds {STRUCTURED})")
     p.add_argument("--trials", type=int, default=1, metavar="N", help="timed repetitions per prompt (default 1)")
     p.add_argument("--modes", default=None, metavar="M1,M2",

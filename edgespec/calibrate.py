@@ -111,8 +111,10 @@ def calibration_key(target, draft=None, max_rows: int = MAX_ROWS) -> dict:
         from llama_cpp import __version__ as lcpp
     except ImportError:  # pragma: no cover
         lcpp = "?"
+    from .selftest import build_key
+    # the build too: the same version built for other instruction sets (AMX, CUDA) runs at another speed
     return {"target": _model_key(target), "draft": _model_key(draft) if draft else None,
-            "max_rows": max_rows, "llama_cpp_python": lcpp, "format": FORMAT}
+            "max_rows": max_rows, "llama_cpp_python": lcpp, "build": build_key(), "format": FORMAT}
 
 
 def _key_path(key: dict):

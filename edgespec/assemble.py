@@ -114,7 +114,7 @@ class Settings:
     cache_dir: Optional[str] = None          # and on disk, for restarts (None: not on disk)
     models_file: Optional[str] = None
     verbose: bool = False              # llama.cpp's own logs
-    flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (README, "Memory")
+    flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (docs/memory.md)
 
     def validate(self) -> "Settings":
         """Check every field before anything is downloaded or loaded; returns self."""

@@ -202,16 +202,19 @@ def _setup_plan(sub) -> None:
                        "for target + draft model, target + n-gram and target alone at several context "
                        "sizes, and pick the configuration that fits the budget.")
     p.add_argument("pair", nargs="?", metavar="PAIR", help="model pair name (default: the default pair)")
-    p.add_argument("--target", metavar="PATH", help="target GGUF file")
-    p.add_argument("--draft", metavar="PATH", help="draft GGUF file")
+    p.add_argument("--target", "-m", "--model", metavar="PATH", help="target GGUF file")
+    p.add_argument("--draft", "-md", "--model-draft", metavar="PATH", help="draft GGUF file")
     p.add_argument("--models", metavar="FILE", help="your own models.toml")
-    p.add_argument("--ctx", type=int, default=4096, metavar="N", help="wanted context size (default 4096)")
+    p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=4096, metavar="N",
+                   help="wanted context size (default 4096)")
     p.add_argument("--drafter", default="auto", metavar="MODE", help="wanted drafter: auto | model | ngram | none")
     from .assemble import BUDGET_FLAGS
     for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: as on every other verb
         p.add_argument(flag, **kw)
-    p.add_argument("--n-gpu-layers", type=int, default=-1, metavar="N", help="target layers on the GPU (-1 all)")
-    p.add_argument("--draft-n-gpu-layers", type=int, default=-1, metavar="N", help="draft layers on the GPU")
+    p.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=int, default=-1, metavar="N",
+                   help="target layers on the GPU (-1 all)")
+    p.add_argument("--draft-n-gpu-layers", "-ngld", "--n-gpu-layers-draft", type=int, default=-1, metavar="N",
+                   help="draft layers on the GPU")
     _add_flash_attn_arg(p)
     p.add_argument("--json", action="store_true", help='print {"configs": [...], "choice": {...}}')
     p.set_defaults(func=cmd_plan)
@@ -327,7 +330,7 @@ def cmd_doctor(args) -> int:
         print("calibrated: nothing yet (the first `run` with --drafter auto measures this device, ~20 s)")
     if not report["gpu_offload"]:
         print("GPU offload: rebuild with `make setup BACKEND=cuda` (NVIDIA, Jetson) or BACKEND=metal (Apple); "
-              "see README")
+              "see docs/build.md")
     return 0 if result.ok else 1
 
 

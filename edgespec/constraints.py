@@ -6,7 +6,7 @@ one generation: an `LLMatcher` over the target's vocabulary that says, at the co
 position, which tokens are legal (`allowed`), which the grammar forces (`forced`), and how
 much of a draft is legal (`legal_prefix`); it looks ahead along a draft and rolls back.
 
-The law (README, "Structured output"): the target's logits with every forbidden token at -inf
+The law (docs/structured-output.md): the target's logits with every forbidden token at -inf
 first, then the request's filters (top-k, top-p, min-p, temperature); the same mask on the
 draft's rows. A position where exactly one token is legal is decided: no logits are needed.
 """
@@ -22,7 +22,7 @@ import numpy as np
 from .errors import UsageError
 
 # Compact JSON: keys, quotes, colons and commas are then forced, drafts the grammar makes
-# (README, "Structured output": the layout choice and its measurements).
+# (docs/structured-output.md: the layout choice and its measurements).
 JSON_OPTIONS = {"whitespace_flexible": False}
 KINDS = ("json_schema", "regex", "grammar")
 NAMES = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}

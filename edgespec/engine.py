@@ -573,7 +573,7 @@ class Engine:
     # -- generation -----------------------------------------------------------------------
     # Options (or one `request=Request.build(...)`): max_tokens=128, temperature=0.0, top_k=0,
     # top_p=1.0, min_p=0.0, seed=None, stop=(), and at most one of json_schema (a dict or JSON
-    # text), regex, grammar (Lark or GBNF): the answer then follows it (README, "Structured output").
+    # text), regex, grammar (Lark or GBNF): the answer then follows it (docs/structured-output.md).
     def generate(self, prompt: Union[str, Sequence[int]], request: Optional[Request] = None,
                  **options) -> GenerationResult:
         """Generate from a verbatim prompt (text, or token ids); waits while another request runs."""

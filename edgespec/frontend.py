@@ -157,7 +157,7 @@ def _add_flash_attn_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flash-attn", "-fa", choices=FLASH_ATTN, default=Settings.flash_attn,
                    help=f"llama.cpp's flash attention (default {Settings.flash_attn}): off materialises "
                    "attention scores for every cached position, hundreds of MiB at long contexts; "
-                   "see README, \"Memory\"")
+                   "see docs/memory.md")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,7 @@ MiB = 2**20
 # Constants that do not depend on the machine (sizes of llama.cpp's and CPython's data
 # structures on 64-bit Linux, ggml's graph allocator), fitted to whole-process peak RSS of
 # SmolLM2-135M, gemma-3-270m and Qwen2.5-Coder 0.5B / 1.5B on two llama.cpp builds of the same
-# machine (AVX-512 and AVX2-only) - README, "Memory". What does vary between machines comes
+# machine (AVX-512 and AVX2-only) - docs/memory.md. What does vary between machines comes
 # from probe.machine_figures().
 RUN_EXTRA = 12 * MiB                # what a run adds beyond the probe's interpreter and context
 VOCAB_BYTES_PER_TOKEN = 275         # llama.cpp's vocabulary + edgespec's token list, per token
@@ -134,7 +134,7 @@ def estimate_model(info, n_ctx: int, *, n_ubatch: int = N_UBATCH, gpu_layers: in
     ub = min(n_ubatch, n_ctx)
     activations = int(ub * 4 * (ACTIVATION_FF * n_ff + ACTIVATION_EMBD * n_embd))
     # the worst case of any prompt that fits: its last full micro-batch against the whole context
-    # (a short prompt touches neither this nor the activations; see README, "Memory")
+    # (a short prompt touches neither this nor the activations; see docs/memory.md)
     attention = attention_scratch(max(heads[:n_cpu]), ub, n_ctx, flash_attn) if n_cpu else 0
     merges = int(info.fields.get("tokenizer.ggml.merges.count", 0))
     vocab = VOCAB_BYTES_PER_TOKEN * info.n_vocab + VOCAB_BYTES_PER_MERGE * merges

@@ -1,7 +1,7 @@
 """Peak RSS (VmHWM) of `edgespec run --drafter none --raw --max-tokens 16` for a model and context at
 several prompt fractions and flash-attention settings, beside `plan --drafter none --json`; one JSON
 line per run. Usage: python scripts/measure_peaks.py MODEL.gguf N_CTX [on,off] [0,0.85,0.99]
-(run from the repository root; the README's Memory table was made with it)."""
+(run from the repository root; the memory table of docs/memory.md was made with it)."""
 import json
 import os
 import subprocess

@@ -1,6 +1,6 @@
 """The exact law of constrained generation through the whole engine loop, by enumeration.
 
-The constrained law (README, "Structured output"): the target's logits with every token the
+The constrained law (docs/structured-output.md): the target's logits with every token the
 constraint forbids at -inf, then the filters (here top-p 0.9 at T = 1). It is computed here
 independently of the engine, with llguidance's matcher and `warp`, over every token path.
 

@@ -19,7 +19,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,25 +211,3 @@ def choose(backend: str = "auto", amx: str = "auto", *, cpuinfo: str | None = No
         return Plan(backend, args, reasons, use_amx, env)
     reasons.append(f"{machine}: llama.cpp's native CPU detection")
     return Plan(backend, args, reasons, False, env)
-
-
-def main(argv=None) -> int:
-    import argparse
-    ap = argparse.ArgumentParser(prog="python -m edgespec.buildflags",
-                                 description="Print the CMake flags edgespec builds llama-cpp-python with here.")
-    ap.add_argument("--backend", default=os.environ.get("BACKEND") or "auto", choices=BACKENDS)
-    ap.add_argument("--amx", default=os.environ.get("AMX") or "auto", choices=("auto", "on", "off"))
-    args = ap.parse_args(argv)
-    try:
-        plan = choose(args.backend, args.amx)
-    except BuildError as exc:
-        print(f"buildflags: {exc}", file=sys.stderr)
-        return 2
-    for r in plan.reasons:
-        print(f"# {r}")
-    print(plan.pip_command())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

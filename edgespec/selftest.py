@@ -213,8 +213,10 @@ def child(workdir: str, flash_attn: str = "auto") -> dict:
     top2 = np.sort(want, axis=-1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > CLEAR * sd
     agree = bool((np.argmax(got, -1) == np.argmax(want, -1))[clear].all())
-    return {"finite": finite, "error": err, "largest_error": worst, "greedy_agrees": agree,
-            "positions": len(tokens), "clear_positions": int(clear.sum())}
+    result = {"finite": finite, "error": err, "largest_error": worst, "greedy_agrees": agree,
+              "positions": len(tokens), "clear_positions": int(clear.sum())}
+    (Path(workdir) / "result.json").write_text(json.dumps(result))  # for the parent, in check()
+    return result
 
 
 # -- the parent --------------------------------------------------------------------------------
@@ -278,20 +280,19 @@ def check(timeout: float = TIMEOUT_S) -> Result:
         env = dict(os.environ)
         src = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-c", "import sys, json; from edgespec.selftest import child; "
-               "print(json.dumps(child(sys.argv[1])))", tmp]
+        cmd = [sys.executable, "-c", "import sys; from edgespec.selftest import child; child(sys.argv[1])", tmp]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return Result(False, f"self-test failed: a decode of a 2-layer test model took over {timeout:.0f} s "
                           f"(llama.cpp hangs on this machine?); rebuild it: {rebuild_hint()}")
-    if out.returncode != 0:
-        return Result(False, _explain(out.returncode, out.stderr), {"returncode": out.returncode,
-                                                                     "stderr": out.stderr[-2000:]})
-    try:
-        d = json.loads(out.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return Result(False, f"self-test failed: the test process said nothing readable; rebuild: {rebuild_hint()}")
+        if out.returncode != 0:
+            return Result(False, _explain(out.returncode, out.stderr), {"returncode": out.returncode,
+                                                                         "stderr": out.stderr[-2000:]})
+        try:
+            d = json.loads((Path(tmp) / "result.json").read_text())
+        except (OSError, ValueError):
+            return Result(False, "self-test failed: the test process wrote no result; rebuild: " + rebuild_hint())
     info = next((ln[13:] for ln in out.stderr.splitlines() if ln.startswith("system_info:")), "").strip()
     d["system_info"] = info
     if not d["finite"]:

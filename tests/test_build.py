@@ -76,9 +76,17 @@ def test_build_script_prints_its_choice_and_refuses_a_bad_backend():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_llama.py"), "--print", "--backend", "cpu"],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "CMAKE_ARGS=" in out.stdout and "-march=native" not in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "edgespec.buildflags", "--backend", "vulkan"], capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and "vulkan" in bad.stderr
+
+
+def test_doctor_prints_the_build_flags_and_refuses_a_bad_backend(monkeypatch, capsys):
+    from edgespec.cli import main
+    monkeypatch.setenv("BACKEND", "cpu")
+    assert main(["doctor", "--build-flags"]) == 0
+    out = capsys.readouterr().out
+    assert "pip install" in out and "-DGGML_NATIVE" in out and "-march=native" not in out
+    monkeypatch.setenv("BACKEND", "vulkan")
+    assert main(["doctor", "--build-flags"]) == 2
+    assert "vulkan" in capsys.readouterr().err
 
 
 # -- the self-test, on the llama.cpp this suite runs with ------------------------------------------

@@ -1,4 +1,4 @@
-"""The interactive chat (edgespec.repl), driven in-process with scripted lines: /commands never
+"""The interactive chat (edgespec.cli.repl), driven in-process with scripted lines: /commands never
 reach the model, /clear and /system start a new conversation, Ctrl-C during an answer stops that
 answer only, Ctrl-D and /exit end the chat with status 0; and the progress a first run shows
 before the banner (a fixed total that reaches 100%, a line that is always ended)."""
@@ -14,7 +14,7 @@ import pytest
 from edgespec import calibrate
 from edgespec.frontend import ProgressBar
 from edgespec.progress import Progress
-from edgespec.repl import chat
+from edgespec.cli.repl import chat
 
 from fakes import FakeBackend
 

@@ -6,8 +6,8 @@ import json
 import os
 import sys
 
-from .errors import EdgespecError, UsageError
-from .frontend import (PROG, ProgressBar, _add_flash_attn_arg, _add_model_args, _add_sampling_args, _check_arg_text,
+from ..errors import EdgespecError, UsageError
+from ..frontend import (PROG, ProgressBar, _add_flash_attn_arg, _add_model_args, _add_sampling_args, _check_arg_text,
                        _Parser, _RawHelp, _setup_logging, load_engine, request_from_args, settings_from_args)
 
 __all__ = ["main", "build_parser", "run_verb"]
@@ -97,7 +97,7 @@ def cmd_run(args) -> int:
                     _echo(ev, args.show_drafts)
         stats = events.stats
         if args.json:
-            from .memory import peak_rss
+            from ..memory import peak_rss
             print(json.dumps({"text": events.text, "tokens": events.tokens, "stats": stats.as_dict(),
                               "peak_rss_bytes": peak_rss()}))
         else:
@@ -132,10 +132,10 @@ def _gb(n) -> str:
 
 
 def cmd_models(args) -> int:
-    from .assemble import Settings, pair_peak
-    from .errors import EdgespecError
-    from .hub import local_path
-    from .registry import load_registry
+    from ..assemble import Settings, pair_peak
+    from ..errors import EdgespecError
+    from ..hub import local_path
+    from ..registry import load_registry
     reg = load_registry(args.models)
     settings = Settings(models_file=args.models)  # `plan PAIR`'s defaults: context, drafter, flash attention
     rows, hidden = [], 0
@@ -179,8 +179,8 @@ def cmd_models(args) -> int:
 
 def cmd_pull(args) -> int:
     import time
-    from .hub import local_path, pull
-    from .registry import load_registry
+    from ..hub import local_path, pull
+    from ..registry import load_registry
     pair = load_registry(args.models).get(args.pair)
     t0 = time.perf_counter()
     for role, spec in (("target", pair.target), ("draft", pair.draft)):
@@ -208,7 +208,7 @@ def _setup_plan(sub) -> None:
     p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=4096, metavar="N",
                    help="wanted context size (default 4096)")
     p.add_argument("--drafter", default="auto", metavar="MODE", help="wanted drafter: auto | model | ngram | none")
-    from .assemble import BUDGET_FLAGS
+    from ..assemble import BUDGET_FLAGS
     for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: as on every other verb
         p.add_argument(flag, **kw)
     p.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=int, default=-1, metavar="N",
@@ -221,8 +221,8 @@ def _setup_plan(sub) -> None:
 
 
 def cmd_plan(args) -> int:
-    from .assemble import plan_for, resolve_files
-    from .ggufinfo import read_info
+    from ..assemble import plan_for, resolve_files
+    from ..ggufinfo import read_info
     settings = settings_from_args(args)
     target, d_path = resolve_files(settings, download=False)
     t = read_info(target)
@@ -233,8 +233,8 @@ def cmd_plan(args) -> int:
             c.pop("parts")
         print(json.dumps(result, indent=1))
         return 0
-    from .assemble import offloaded_layers, plan_mode
-    from .memory import explain
+    from ..assemble import offloaded_layers, plan_mode
+    from ..memory import explain
     print("\n".join(explain(result, t, d, n_ctx=settings.n_ctx, drafter=plan_mode(settings),
                              budget_given=settings.memory_budget is not None,
                              gpu_layers=offloaded_layers(settings.n_gpu_layers),
@@ -255,13 +255,16 @@ def _setup_doctor(sub) -> None:
                        "report the llama-cpp-python build (CPU features, GPU offload), threads, RAM, downloaded "
                        "pairs and this device's calibrations. Exit 1 when the self-test fails.")
     p.add_argument("--self-test", action="store_true", help="run only the self-test and print its one line")
+    p.add_argument("--build-flags", action="store_true",
+                   help="print how llama-cpp-python should be built here (the pip command with this machine's "
+                   "CMake flags, and why), for installs without the Makefile; with $BACKEND / $AMX as make takes them")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_doctor)
 
 
 def _calibrations() -> list[dict]:
     """What each cached calibration is for: its models, threads, and a target step."""
-    from .registry import cache_dir
+    from ..registry import cache_dir
     rows = []
     for f in sorted((cache_dir() / "calibration").glob("*.json")):
         try:
@@ -277,8 +280,22 @@ def _calibrations() -> list[dict]:
     return rows
 
 
+def _print_build_flags() -> int:
+    from .. import buildflags
+    try:
+        plan = buildflags.choose(os.environ.get("BACKEND") or "auto", os.environ.get("AMX") or "auto")
+    except buildflags.BuildError as exc:
+        raise UsageError(str(exc)) from None
+    for r in plan.reasons:
+        print(f"# {r}")
+    print(plan.pip_command())
+    return 0
+
+
 def cmd_doctor(args) -> int:
-    from . import selftest
+    if args.build_flags:
+        return _print_build_flags()
+    from .. import selftest
     result = selftest.check()
     if result.ok and (key := selftest.build_key()):
         selftest.remember(key, result)
@@ -291,9 +308,9 @@ def cmd_doctor(args) -> int:
     import platform
     import psutil
     import llama_cpp
-    from .backend import default_threads, gpu_offload_supported, set_verbose
-    from .hub import hf_cache_dir, local_path
-    from .registry import cache_dir, load_registry
+    from ..backend import default_threads, gpu_offload_supported, set_verbose
+    from ..hub import hf_cache_dir, local_path
+    from ..registry import cache_dir, load_registry
     set_verbose(False)
     info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     reg = load_registry()
@@ -336,7 +353,7 @@ def cmd_doctor(args) -> int:
 
 # -- bench ----------------------------------------------------------------------------------
 def _setup_bench(sub) -> None:
-    from . import bench
+    from .. import bench
     p = sub.add_parser("bench", help="benchmark against plain decoding on the workloads",
                        description=bench.__doc__, formatter_class=_RawHelp)
     bench.add_arguments(p)
@@ -345,9 +362,9 @@ def _setup_bench(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from .. import bench
     if args.memory_budget and "," in args.memory_budget:  # a sweep: one process per budget
-        from .bench import budgets
+        from ..bench import budgets
         sizes = budgets.parse_budgets(args.memory_budget)
         return budgets.main(settings_from_args(args, drafter="auto", memory_budget=None), sizes,
                             bench.options_from_args(args))
@@ -366,7 +383,7 @@ def _setup_calibrate(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    from .engine import Engine
+    from ..engine import Engine
     settings = settings_from_args(args, drafter="auto")  # the figures are auto's
     with Engine.from_settings(settings, calibrate="now", progress=ProgressBar()) as eng:
         costs = eng.drafter.policy.costs
@@ -394,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     _setup_models(sub)
     _setup_plan(sub)
     _setup_doctor(sub)
-    from .server import add_parser as add_serve  # the web stack itself is imported when `serve` runs
+    from ..server import add_parser as add_serve  # the web stack itself is imported when `serve` runs
     add_serve(sub)
     return parser
 

@@ -26,8 +26,8 @@ try:  # line editing and history; missing on Windows without pyreadline
 except ImportError:  # pragma: no cover
     readline = None
 
-from .errors import ContextLengthError, EdgespecError, UsageError
-from .frontend import PROG, ProgressBar, _check_arg_text
+from ..errors import ContextLengthError, EdgespecError, UsageError
+from ..frontend import PROG, ProgressBar, _check_arg_text
 
 __all__ = ["chat", "COMMANDS"]
 
@@ -58,7 +58,7 @@ def _help() -> str:
 
 
 def _history_path() -> Path:
-    from .registry import cache_dir
+    from ..registry import cache_dir
     return cache_dir() / "chat_history"
 
 

@@ -10,8 +10,10 @@ TEST_MODELS := smollm2-135m gemma-3-270m qwen2.5-coder-1.5b
 
 # BACKEND: auto (CUDA where nvcc and a GPU are found, Metal on Apple Silicon, else CPU) | cpu | cuda | metal
 # AMX: auto (only with GCC >= 13 or clang, kept if the self-test passes) | on | off
-BACKEND ?= auto
-AMX     ?= auto
+# the venv remembers what it was built with: a later `make test` keeps `make llama BACKEND=cuda`'s choice
+_SAVED  := $(subst -, ,$(patsubst $(VENV)/.installed-%,%,$(firstword $(wildcard $(VENV)/.installed-*))))
+BACKEND ?= $(or $(word 1,$(_SAVED)),auto)
+AMX     ?= $(or $(word 2,$(_SAVED)),auto)
 STAMP   := $(VENV)/.installed-$(BACKEND)-$(AMX)
 BUILD   := $(PY) scripts/build_llama.py --python $(PY) --backend $(BACKEND) --amx $(AMX)
 
@@ -29,10 +31,11 @@ $(STAMP): pyproject.toml scripts/build_llama.py edgespec/buildflags.py
 	rm -f $(VENV)/.installed*
 	touch $@
 
-# rebuild llama-cpp-python in the venv (e.g. `make llama BACKEND=cuda`, `make llama AMX=off`)
+# rebuild llama-cpp-python in the venv (e.g. `make llama BACKEND=cuda`, `make llama AMX=off`;
+# FORCE=1 builds again instead of reinstalling the wheel cached for these flags)
 llama:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(BUILD)
+	$(BUILD) $(if $(FORCE),--force)
 	$(PY) -m pip install -q -e '.[test,plot,server]'
 	$(BUILD) --check
 	rm -f $(VENV)/.installed*

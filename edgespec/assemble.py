@@ -139,7 +139,10 @@ class Settings:
                 raise UsageError(f"{name} must be a path or a name, got {type(v).__name__}")
         if self.memory_budget is not None:
             self.budget_bytes()
-        self.cache_bytes()
+        cache = self.cache_bytes()
+        if self.cache_ram is not None and self.memory_budget is not None and cache >= self.budget_bytes():
+            raise UsageError(f"cache_ram (--cache-ram) {self.cache_ram} leaves nothing of memory_budget "
+                             f"(--memory-budget) {self.memory_budget} for the models: give the cache less")
         return self
 
     def budget_bytes(self) -> Optional[int]:
@@ -167,9 +170,9 @@ class Settings:
             if c < 0:
                 raise UsageError(f"cache_ram must be >= 0 bytes (0 turns the prompt cache off), got {c}")
             return c
-        if isinstance(c, str) and c.strip() == "0":
+        if isinstance(c, str) and c.strip() in ("0", "0.0"):
             return 0
-        return parse_size(c, "cache_ram (--cache-ram)")
+        return parse_size(c, "cache_ram (--cache-ram)", zero=True)  # 0B, 0GiB: off, as 0 is
 
     def target_name(self) -> str:
         from .registry import load_registry

@@ -84,8 +84,9 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
 
 
 def compiler_version(cc: str | None = None) -> str | None:
-    """'gcc 12.2.0' or 'clang 17.0.6' for the compiler CMake will pick (CC, else cc)."""
-    cc = cc or os.environ.get("CC") or "cc"
+    """'gcc 12.2.0' or 'clang 17.0.6' for the C++ compiler CMake will pick (CXX, else c++): llama.cpp's
+    AMX kernels are C++."""
+    cc = cc or os.environ.get("CXX") or "c++"
     try:
         out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
@@ -138,6 +139,18 @@ def gpu_archs() -> list[str]:
                                                                                               line.strip())})
 
 
+def cuda_archs(text: str) -> str:
+    """CUDA_ARCHS as people write it ("89", "8.9", "sm_89", "89,90", "89 90", "native") -> CMake's "89;90"."""
+    parts = [p for p in re.split(r"[\s,;]+", text.strip()) if p]
+    out = []
+    for p in parts:
+        q = p.lower().removeprefix("sm_").removeprefix("compute_").replace(".", "")
+        if not (re.fullmatch(r"\d{2,3}[af]?", q) or q in ("native", "all", "all-major")):
+            raise BuildError(f"CUDA_ARCHS: cannot read {p!r}: write compute capabilities like 87, 8.9 or 89,90")
+        out.append(q)
+    return ";".join(out)
+
+
 def _on(name: str, on: bool) -> str:
     return f"-D{name}={'ON' if on else 'OFF'}"
 
@@ -170,7 +183,7 @@ def choose(backend: str = "auto", amx: str = "auto", *, cpuinfo: str | None = No
         if not nvcc:
             raise BuildError("BACKEND=cuda needs nvcc (the CUDA toolkit): put it on PATH or set CUDACXX")
         found = archs if archs is not None else gpu_archs()
-        wanted = os.environ.get("CUDA_ARCHS", "").replace(",", ";").strip(";") or ";".join(found)
+        wanted = cuda_archs(os.environ.get("CUDA_ARCHS", "")) or ";".join(found)
         if not wanted:
             raise BuildError("BACKEND=cuda: no GPU visible to read its architecture from; set CUDA_ARCHS "
                              "(e.g. CUDA_ARCHS=87 for Jetson Orin, 89 for an RTX 40xx, 90 for an H100)")
@@ -204,7 +217,9 @@ def choose(backend: str = "auto", amx: str = "auto", *, cpuinfo: str | None = No
         reasons.append("CPU instruction sets named: " + (", ".join(named) or "none beyond x86-64"))
         if has_amx and not use_amx:
             reasons.append("AMX off: " + ("AMX=off" if amx == "off" else
-                                          f"{compiler or 'the compiler'} miscompiles llama.cpp's AMX kernels "
+                                          "the C++ compiler could not be identified (set CXX, or AMX=on)"
+                                          if not compiler else
+                                          f"{compiler} miscompiles llama.cpp's AMX kernels "
                                           "(GCC >= 13 does not; llama.cpp #20824)"))
         elif use_amx:
             reasons.append("AMX on (the self-test decides whether it stays)")

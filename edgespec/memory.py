@@ -172,7 +172,7 @@ _UNITS = {"b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "m": 10**6, "mb": 10**6, 
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
-def parse_size(text: str, what: str = "the size") -> int:
+def parse_size(text: str, what: str = "the size", *, zero: bool = False) -> int:
     """'2GiB', '1500MB', '2g', '512 MiB', '3.5GB', '2147483648B' -> bytes. Single letters are
     decimal (k, m, g). A bare number is refused: "10" meant as 10 GiB would be 10 bytes.
     `what` names the setting in the message (e.g. "--memory-budget")."""
@@ -180,13 +180,14 @@ def parse_size(text: str, what: str = "the size") -> int:
     unit = m.group(2).lower() if m else None
     if m and unit == "":
         n = m.group(1)
-        like = f"{n}GiB, {n}MB or 2GiB ({n}B for bytes)" if float(n) else "2GiB or 512MiB"
+        sizes = list(dict.fromkeys([f"{n}GiB", f"{n}MB", "2GiB"]))  # "2": 2GiB or 2MB, not 2GiB twice
+        like = (", ".join(sizes[:-1]) + f" or {sizes[-1]} ({n}B for bytes)") if float(n) else "2GiB or 512MiB"
         raise UsageError(f"{what} {str(text).strip()!r} has no unit: write a size with a unit, like {like}")
     if not m or unit not in _UNITS:
-        raise UsageError(f"cannot read the size {text!r}: write a number and a unit, like 2GiB, 1500MB or 2g")
+        raise UsageError(f"{what}: cannot read the size {text!r}: write a number and a unit, like 2GiB, 1500MB or 2g")
     value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise UsageError(f"the size {text!r} must be more than zero")
+    if value <= 0 and not (zero and value == 0):
+        raise UsageError(f"{what} {str(text).strip()!r} must be more than zero")
     return value
 
 

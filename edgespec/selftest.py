@@ -229,8 +229,8 @@ def rebuild_hint(amx_off: bool = False) -> str:
     """The command that rebuilds llama-cpp-python for this machine: make in a checkout, else pip."""
     from . import buildflags
     root = _checkout()
-    if root:
-        return f"make -C {root} llama" + (" AMX=off" if amx_off else "")
+    if root:  # FORCE=1: the same flags built again, not the cached wheel reinstalled
+        return f"make -C {root} llama FORCE=1" + (" AMX=off" if amx_off else "")
     try:
         return buildflags.choose("auto", "off" if amx_off else "auto").pip_command()
     except buildflags.BuildError:
@@ -238,13 +238,17 @@ def rebuild_hint(amx_off: bool = False) -> str:
 
 
 def build_key() -> str | None:
-    """Names the installed llama.cpp build: its library files' names, sizes and times."""
+    """Names the installed llama.cpp build on this machine: its library files' names, sizes and times,
+    and the CPU (a home folder shared between machines must not carry one machine's pass to another)."""
     import importlib.util
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         return None
     pkg = Path(list(spec.submodule_search_locations)[0])
-    h = hashlib.sha256()
+    from .buildflags import cpu_flags
+    import platform
+    h = hashlib.sha256(f"{platform.machine()} {' '.join(sorted(cpu_flags()))} "
+                       f"{os.environ.get('LLAMA_CPP_LIB_PATH', '')}\n".encode())
     for f in sorted(pkg.rglob("*")):
         if f.suffix in (".so", ".dylib", ".dll") or ".so." in f.name:
             st = f.stat()
@@ -260,6 +264,9 @@ def _explain(rc: int, stderr: str) -> str:
             name = signal.Signals(-rc).name
         except ValueError:
             name = f"signal {-rc}"
+        if name == "SIGKILL":
+            return ("self-test failed: the test process was killed (SIGKILL: out of memory?); free memory and "
+                    "run `edgespec doctor` again")
         if name == "SIGILL":
             cause = "the build uses instructions this CPU lacks (a wheel built on another machine?)"
         elif amx:
@@ -269,20 +276,28 @@ def _explain(rc: int, stderr: str) -> str:
         return (f"self-test failed: llama.cpp crashed ({name}) on its first decode: {cause}; "
                 f"rebuild it: {rebuild_hint(amx_off=amx)}")
     last = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit code {rc}"
-    if "No module named" in stderr or "ImportError" in stderr or "OSError" in last:
+    if "llama_cpp" in stderr and ("No module named" in last or "Error" in last):
         return f"self-test failed: llama-cpp-python cannot be loaded ({last}); reinstall it: {rebuild_hint()}"
-    return f"self-test failed: {last}; rebuild llama-cpp-python: {rebuild_hint()}"
+    return f"self-test failed: the test process stopped with {last}; rebuild llama-cpp-python if it persists: " \
+           f"{rebuild_hint()}"
 
 
 def check(timeout: float = TIMEOUT_S) -> Result:
     """Run the self-test now in a child process (nothing cached)."""
-    with tempfile.TemporaryDirectory(prefix="edgespec-selftest-") as tmp:
+    try:
+        workdir = tempfile.TemporaryDirectory(prefix="edgespec-selftest-")
+    except OSError as exc:
+        return Result(False, f"self-test failed: no writable temporary folder ({exc.strerror or exc}): set TMPDIR "
+                      "to one")
+    with workdir as tmp:
         env = dict(os.environ)
         src = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, "-c", "import sys; from edgespec.selftest import child; child(sys.argv[1])", tmp]
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            # run in the empty folder: the working directory comes first on a child's sys.path, and a
+            # gguf.py or numpy.py there must not stand in for the real ones
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
         except subprocess.TimeoutExpired:
             return Result(False, f"self-test failed: a decode of a 2-layer test model took over {timeout:.0f} s "
                           f"(llama.cpp hangs on this machine?); rebuild it: {rebuild_hint()}")
@@ -318,7 +333,7 @@ def cached(key: str | None) -> bool:
 def ensure() -> None:
     """Raise BackendError with the cause and the fix unless this llama.cpp build passed the
     self-test on this machine (run now, once per build; a pass is remembered)."""
-    if os.environ.get("EDGESPEC_SELFTEST", "").lower() in ("0", "off", "no", "skip"):
+    if os.environ.get("EDGESPEC_SELFTEST", "").lower() in ("0", "off", "no", "false", "skip"):
         return
     with _lock:
         key = build_key()

@@ -22,16 +22,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from edgespec import buildflags  # noqa: E402  (standard library only)
-from edgespec.registry import cache_dir  # noqa: E402
+
+
+def cache_dir() -> Path:  # registry.cache_dir's rule; registry itself needs tomli on Python 3.10
+    return Path(os.environ.get("EDGESPEC_CACHE") or Path.home() / ".cache" / "edgespec")
 
 
 def say(msg: str) -> None:
     print(f"build_llama: {msg}", flush=True)
 
 
-def wheel_for(plan, python: str, version: str) -> Path:
-    """The cached wheel for this plan, built first when there is none."""
+def wheel_for(plan, python: str, version: str, force: bool = False) -> Path:
+    """The cached wheel for this plan, built first when there is none (or when `force`)."""
     home = cache_dir() / "wheels" / plan.key(version)
+    if force and home.is_dir():
+        shutil.rmtree(home)
     found = sorted(home.glob(f"llama_cpp_python-{version}-*.whl")) if home.is_dir() else []
     if found:
         say(f"reusing {found[-1]}")
@@ -83,6 +88,7 @@ def main() -> int:
     ap.add_argument("--backend", default=os.environ.get("BACKEND") or "auto", choices=buildflags.BACKENDS)
     ap.add_argument("--amx", default=os.environ.get("AMX") or "auto", choices=("auto", "on", "off"))
     ap.add_argument("--version", default=buildflags.LLAMA_CPP_VERSION, help="llama-cpp-python version")
+    ap.add_argument("--force", action="store_true", help="build again even when a wheel for these flags is cached")
     ap.add_argument("--print", action="store_true", help="print the chosen flags and the reasons, build nothing")
     ap.add_argument("--check", action="store_true",
                     help="run the self-test on what is installed; rebuild without AMX if AMX fails it")
@@ -108,7 +114,7 @@ def main() -> int:
         ok, line = self_test(args.python)
         say(line)
         return 0 if ok else 1
-    install(args.python, wheel_for(plan, args.python, args.version))
+    install(args.python, wheel_for(plan, args.python, args.version, force=args.force))
     return 0
 
 

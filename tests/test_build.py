@@ -138,3 +138,41 @@ def test_doctor_prints_the_self_test_and_fails_with_it(monkeypatch, capsys):
     monkeypatch.setenv("EDGESPEC_SELFTEST_FAULT", "garbage")
     assert main(["doctor"]) == 1
     assert "self-test failed" in capsys.readouterr().out
+
+
+def test_cuda_archs_as_people_write_them(monkeypatch):
+    assert buildflags.cuda_archs("8.9") == "89"
+    assert buildflags.cuda_archs("sm_89, 9.0") == "89;90"
+    assert buildflags.cuda_archs("89 90") == "89;90"
+    assert buildflags.cuda_archs("native") == "native"
+    with pytest.raises(buildflags.BuildError, match="CUDA_ARCHS"):
+        buildflags.cuda_archs("ampere")
+
+
+def test_amx_check_reads_the_cxx_compiler(monkeypatch):
+    monkeypatch.setenv("CC", "clang")
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    assert buildflags.compiler_version() is None  # the C++ compiler decides, and it cannot be identified
+    plan = buildflags.choose("cpu", cpuinfo=SAPPHIRE, machine="x86_64", system="Linux", nvcc=None)
+    assert not plan.amx and any("could not be identified" in r for r in plan.reasons)
+
+
+def test_the_remembered_pass_is_of_this_cpu(monkeypatch):
+    key = selftest.build_key()
+    monkeypatch.setattr(buildflags, "cpu_flags", lambda cpuinfo=None: {"sse4_2", "avx"})
+    assert selftest.build_key() != key  # a home folder shared with another machine does not carry a pass
+
+
+def test_a_module_in_the_working_directory_does_not_break_the_self_test(tmp_path, monkeypatch):
+    (tmp_path / "gguf.py").write_text('raise ImportError("a stray gguf.py")\n')
+    (tmp_path / "numpy.py").write_text('raise ImportError("a stray numpy.py")\n')
+    monkeypatch.chdir(tmp_path)
+    r = selftest.check()
+    assert r.ok, r.line
+
+
+def test_no_temporary_folder_is_one_line(monkeypatch):
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", "/proc/nonexistent")
+    r = selftest.check()
+    assert not r.ok and "TMPDIR" in r.line and "\n" not in r.line

@@ -91,3 +91,27 @@ def test_one_token_reports_no_rate(smol, capsys):
     assert stats["generated"] == 1 and stats["tokens_per_second"] == 0
     code, out, err = run_cli(["run", "--target", str(smol), "--drafter", "none", "-n", "1", "Hi"], capsys)
     assert code == 0 and "no decode rate from one token" in err and "tok/s" not in err
+
+
+def test_with_target_the_positional_is_the_prompt_even_when_a_file_has_that_name(smol, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("hello\n")
+    code, out, err = run_cli(["run", "--target", str(smol), "--drafter", "none", "-n", "3", "--json", "notes.txt"],
+                             capsys)
+    assert code == 0, err
+    assert json.loads(out)["stats"]["generated"] == 3
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--memory-budget", "1GiB", "--cache-ram", "4GiB"], "leaves nothing of memory_budget"),
+    (["--memory-budget", "2"], "like 2GiB or 2MB (2B for bytes)"),
+])
+def test_budget_mistakes_are_one_line(smol, capsys, flags, words):
+    code, _, err = run_cli(["plan", "--target", str(smol), *flags], capsys)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_cache_ram_zero_with_a_unit_is_off(smol, capsys):
+    code, out, err = run_cli(["plan", "--target", str(smol), "--memory-budget", "1GiB", "--cache-ram", "0B"], capsys)
+    assert code == 0, err
+    assert "none of it kept for a prompt cache" in out

@@ -63,8 +63,8 @@ def _echo(ev, show_drafts: bool) -> None:
 def _positional_prompt(args) -> None:
     """`run PAIR PROMPT`, `run PROMPT`: the positional prompt becomes --prompt."""
     text = args.prompt_arg
-    if text is None and args.pair and not os.path.exists(args.pair) and (
-            args.target or any(c.isspace() for c in args.pair)):
+    if text is None and args.pair and (args.target or (any(c.isspace() for c in args.pair)
+                                                        and not os.path.exists(args.pair))):
         # with --target there is no pair to name; and no pair name holds a space: it is the prompt
         text, args.pair = args.pair, None
     if text is None:

@@ -122,6 +122,24 @@ def _key_path(key: dict):
     return cache_dir() / "calibration" / f"{digest}.json"
 
 
+def cached_calibrations() -> list[dict]:
+    """What each cached calibration is for (`doctor` lists them): its models, threads, a target step."""
+    rows = []
+    for f in sorted((cache_dir() / "calibration").glob("*.json")):
+        text = read_text(f)  # regular files of bounded size only, as every cache read
+        try:
+            data = json.loads(text) if text is not None else None
+            key, verify = data["key"], data["verify"]
+            target, draft = key["target"], key.get("draft")
+            rows.append({"target": os.path.basename(target["path"]),
+                         "draft": os.path.basename(draft["path"]) if draft else None,
+                         "threads": target.get("threads"), "step_ms": 1000 * float(verify[0]),
+                         "source": data.get("source") or "measured", "file": str(f)})
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            continue  # not ours, or damaged: measured again when it is needed
+    return rows
+
+
 # -- measuring -----------------------------------------------------------------------------------
 @dataclass
 class Calibration:

@@ -256,9 +256,14 @@ def build_key() -> str | None:
     return h.hexdigest()[:24]
 
 
+def _has_amx(system_info: str) -> bool:
+    """llama.cpp's system info names AMX_INT8 (or AMX) = 1 when its AMX kernels are in the build."""
+    return "AMX_INT8 = 1" in system_info or "AMX = 1" in system_info
+
+
 def _explain(rc: int, stderr: str) -> str:
     info = next((ln for ln in stderr.splitlines() if ln.startswith("system_info:")), "")
-    amx = "AMX_INT8 = 1" in info or "AMX = 1" in info
+    amx = _has_amx(info)
     if rc < 0:
         try:
             name = signal.Signals(-rc).name
@@ -312,11 +317,11 @@ def check(timeout: float = TIMEOUT_S) -> Result:
     d["system_info"] = info
     if not d["finite"]:
         return Result(False, "self-test failed: llama.cpp returned NaN or infinite logits on a test model; "
-                      f"rebuild it: {rebuild_hint(amx_off='AMX' in info)}", d)
+                      f"rebuild it: {rebuild_hint(amx_off=_has_amx(info))}", d)
     if d["error"] > TOLERANCE or not d["greedy_agrees"]:
         return Result(False, f"self-test failed: llama.cpp's logits differ from the reference by {d['error']:.2f} "
                       f"standard deviations (allowed {TOLERANCE}) on a test model: wrong results on this CPU; "
-                      f"rebuild it: {rebuild_hint(amx_off='AMX' in info)}", d)
+                      f"rebuild it: {rebuild_hint(amx_off=_has_amx(info))}", d)
     return Result(True, f"self-test ok: {d['positions']} positions of a Q4_K/Q6_K/Q4_0/Q8_0 test model match "
                   f"the reference (error {d['error']:.3f} sd, greedy tokens equal)", d)
 
@@ -343,11 +348,19 @@ def ensure() -> None:
             _passed.add(key)
             return
         log.info("checking this llama.cpp build once (a small self-test)")
-        result = check()
+        result = check_and_remember(key)
         if not result.ok:
             raise BackendError(result.line)
+
+
+def check_and_remember(key: str | None = None) -> Result:
+    """Run the self-test now (as `doctor` does); a pass is remembered for this build."""
+    result = check()
+    key = key or build_key()
+    if result.ok and key:
         _passed.add(key)
         remember(key, result)
+    return result
 
 
 def remember(key: str, result: Result) -> None:

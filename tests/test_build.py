@@ -176,3 +176,16 @@ def test_no_temporary_folder_is_one_line(monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", "/proc/nonexistent")
     r = selftest.check()
     assert not r.ok and "TMPDIR" in r.line and "\n" not in r.line
+
+
+def test_doctor_says_what_is_calibrated_and_skips_damaged_files(monkeypatch, tmp_path, capsys):
+    from edgespec.cli import main
+    cal = tmp_path / "calibration"
+    cal.mkdir()
+    (cal / "a.json").write_text('{"key": {"target": {"path": "/m/t.gguf", "threads": 2}, '
+                                '"draft": {"path": "/m/d.gguf"}}, "verify": [0.033]}')
+    (cal / "b.json").write_text("not json")
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated (1;" in out and "t.gguf + d.gguf, 2 threads: a target step 33 ms" in out

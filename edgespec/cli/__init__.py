@@ -262,24 +262,6 @@ def _setup_doctor(sub) -> None:
     p.set_defaults(func=cmd_doctor)
 
 
-def _calibrations() -> list[dict]:
-    """What each cached calibration is for: its models, threads, and a target step."""
-    from ..registry import cache_dir
-    rows = []
-    for f in sorted((cache_dir() / "calibration").glob("*.json")):
-        try:
-            data = json.loads(f.read_text())
-            key, verify = data["key"], data["verify"]
-            target, draft = key["target"], key.get("draft")
-            rows.append({"target": os.path.basename(target["path"]),
-                         "draft": os.path.basename(draft["path"]) if draft else None,
-                         "threads": target.get("threads"), "step_ms": 1000 * float(verify[0]),
-                         "source": data.get("source") or "measured", "file": str(f)})
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
-            continue  # not ours, or damaged: calibrate.py measures again when it needs one
-    return rows
-
-
 def _print_build_flags() -> int:
     from .. import buildflags
     try:
@@ -296,9 +278,7 @@ def cmd_doctor(args) -> int:
     if args.build_flags:
         return _print_build_flags()
     from .. import selftest
-    result = selftest.check()
-    if result.ok and (key := selftest.build_key()):
-        selftest.remember(key, result)
+    result = selftest.check_and_remember()
     if args.self_test:
         if args.json:
             print(json.dumps({"ok": result.ok, "line": result.line, **result.details}, indent=1))
@@ -315,7 +295,8 @@ def cmd_doctor(args) -> int:
     info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     reg = load_registry()
     cached = {name: all(local_path(s) for s in (p.target, p.draft) if s) for name, p in reg.pairs.items()}
-    calib = _calibrations()
+    from ..calibrate import cached_calibrations
+    calib = cached_calibrations()
     report = {"edgespec": __import__("edgespec").__version__, "python": platform.python_version(),
               "llama_cpp_python": llama_cpp.__version__, "gpu_offload": gpu_offload_supported(),
               "backend": ("CUDA" if "CUDA" in info else "Metal" if "METAL" in info.upper() else
@@ -346,7 +327,7 @@ def cmd_doctor(args) -> int:
     else:
         print("calibrated: nothing yet (the first `run` with --drafter auto measures this device, ~20 s)")
     if not report["gpu_offload"]:
-        print("GPU offload: rebuild with `make setup BACKEND=cuda` (NVIDIA, Jetson) or BACKEND=metal (Apple); "
+        print("GPU offload: rebuild with `make llama BACKEND=cuda` (NVIDIA, Jetson) or BACKEND=metal (Apple); "
               "see docs/build.md")
     return 0 if result.ok else 1
 

@@ -64,6 +64,16 @@ BUDGET_FLAGS = {
         "(e.g. 512MiB; 0 = off); it is taken out of --memory-budget before the models are fitted. Default: a "
         f"tenth of --memory-budget or of the free RAM, at most {DEFAULT_CACHE_MAX // 2**30} GiB"),
 }
+MAX_PARALLEL = 64
+# --parallel, for the verbs that serve several requests at once (serve) and `plan`; run, the chat
+# and bench hold one conversation and plan for one sequence (Settings(parallel=1))
+PARALLEL_FLAGS = {
+    ("--parallel", "-np"): dict(
+        type=int, default=None, metavar="N",
+        help="requests generated at once (1..64), each with its own --ctx tokens: both models' KV caches grow "
+        "N-fold, the weights do not (docs/memory.md). Default: as many as the memory budget allows with the "
+        "wanted drafter and context, at most 4 (1 when not even one fits)"),
+}
 
 
 def cpu_count() -> int:
@@ -115,12 +125,15 @@ class Settings:
     models_file: Optional[str] = None
     verbose: bool = False              # llama.cpp's own logs
     flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (docs/memory.md)
+    parallel: Optional[int] = None     # sequences generating at once, n_ctx each (None: as many as fit, up to 4)
 
     def validate(self) -> "Settings":
         """Check every field before anything is downloaded or loaded; returns self."""
         check_drafter(self.drafter)
         _check_int("n_ctx (--ctx)", self.n_ctx, 16)
         _check_int("gamma (--gamma)", self.gamma, 1, 32)
+        if self.parallel is not None:
+            _check_int("parallel (--parallel)", self.parallel, 1, MAX_PARALLEL)
         if self.threads is not None:
             _check_int("threads (--threads)", self.threads, 1, 1024)
             cpus = cpu_count()
@@ -201,11 +214,13 @@ def plan_mode(settings: Settings) -> str:
 
 def plan_for(settings: Settings, t_info, d_info) -> dict:
     """The one memory-budget rule: memory.plan for these settings (their context, drafter, flash
-    attention and the GPU layers llama.cpp will really offload) against their budget less the
-    prompt cache's share, which lives in the same RAM. `plan`, `run`, `serve`, `Engine.load` and
-    both benchmarks all decide through this. No memory_budget: the RAM available now.
-    The result is memory.plan's, with budget_bytes the whole budget, cache_bytes the prompt
-    cache's share and fit_bytes what the configurations had to fit in (the difference)."""
+    attention, number of sequences and the GPU layers llama.cpp will really offload) against
+    their budget less the prompt cache's share, which lives in the same RAM. `plan`, `run`,
+    `serve`, `Engine.load` and both benchmarks all decide through this. No memory_budget: the
+    RAM available now. The result is memory.plan's, with budget_bytes the whole budget,
+    cache_bytes the prompt cache's share, fit_bytes what the configurations had to fit in (the
+    difference) and parallel the sequences planned for (settings.parallel, or the most that fit
+    when it is None)."""
     from .memory import available_memory, plan
     given = settings.budget_bytes()
     total = available_memory() if given is None else given
@@ -213,17 +228,26 @@ def plan_for(settings: Settings, t_info, d_info) -> dict:
     fit = max(0, total - cache)
     result = plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=plan_mode(settings), budget=fit,
                   gpu_layers=offloaded_layers(settings.n_gpu_layers),
-                  draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn)
+                  draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn,
+                  n_seq=settings.parallel)
     return dict(result, budget_bytes=total, cache_bytes=cache, fit_bytes=fit)
+
+
+def parallel_for(settings: Settings, t_info, d_info) -> int:
+    """The sequences to load the models for: settings.parallel, or (None) plan_for's choice, the
+    most that fit the budget (the RAM available now without one)."""
+    if settings.parallel is not None:
+        return settings.parallel
+    return plan_for(settings, t_info, d_info)["parallel"]
 
 
 def pair_peak(target_path, draft_path=None, settings: Optional[Settings] = None) -> dict:
     """`plan`'s estimate for a pair's wanted configuration (target + draft model, or target +
     n-gram drafting for a target alone) at the settings' context (default: Settings' defaults),
     read from GGUF metadata without loading: {drafter, n_ctx, estimated_bytes}. Before the
-    prompt cache, as `plan`'s peaks are."""
+    prompt cache, as `plan`'s peaks are; for one sequence unless the settings say otherwise."""
     from .ggufinfo import read_info
-    settings = settings or Settings()
+    settings = settings or Settings(parallel=1)
     t = read_info(Path(target_path))
     d = read_info(Path(draft_path)) if draft_path else None
     wanted = "model" if d is not None else "ngram"
@@ -243,28 +267,45 @@ def budget_words(result: dict) -> str:
             "kept for the prompt cache, --cache-ram)")
 
 
-def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool]:
-    """(drafter mode, keep the draft model?) that fit the budget at the wanted context size,
-    trying memory.plan's order: draft model, n-gram, plain decoding."""
+def _smaller_parallel(settings: Settings, t_info, d_info, result: dict, drafter: str) -> int:
+    """The most sequences, fewer than planned, at which `drafter` fits at the wanted context (0: none)."""
+    from .memory import largest_parallel
+    return largest_parallel(t_info, d_info, n_ctx=settings.n_ctx, drafter=drafter, budget=result["fit_bytes"],
+                            limit=result["parallel"] - 1, gpu_layers=offloaded_layers(settings.n_gpu_layers),
+                            draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers),
+                            flash_attn=settings.flash_attn)
+
+
+def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool, int]:
+    """(drafter mode, keep the draft model?, sequences) that fit the budget at the wanted context
+    size, trying memory.plan's order: draft model, n-gram, plain decoding. Sequences: as given, or
+    the most at which the wanted drafter fits (up to 4), else 1 with the fallbacks above."""
+    from .memory import wanted_drafters
     kind = REGISTRY[settings.drafter]
     mode = plan_mode(settings)
     result = plan_for(settings, t_info, d_info)  # the prompt cache lives in the same RAM
-    choice = result["choice"]
+    choice, n = result["choice"], result["parallel"]
+    seqs = f" with {n} sequences (--parallel {n})" if n > 1 else ""
     if choice.get("n_ctx") != settings.n_ctx:
-        hint = (f"pass --ctx {choice['n_ctx']} (fits), " if "n_ctx" in choice else "") + \
+        fewer = _smaller_parallel(settings, t_info, d_info, result, wanted_drafters(mode, d_info)[-1]) if n > 1 else 0
+        fits = ([f"--parallel {fewer} (fits)"] if fewer else []) + \
+            ([f"--ctx {choice['n_ctx']} (fits)"] if "n_ctx" in choice else [])
+        hint = (f"pass {' or '.join(fits)}, " if fits else "") + \
             "raise --memory-budget or lower --cache-ram (see `edgespec plan`)"
-        raise UsageError(f"{t_info.path.name} does not fit in {budget_words(result)} even without a drafter "
+        raise UsageError(f"{t_info.path.name}{seqs} does not fit in {budget_words(result)} even without a drafter "
                          f"at n_ctx {settings.n_ctx}: {hint}")
     got = choice["drafter"]
     wanted = "model" if d_info is not None else ("ngram" if mode in ("auto", "ngram") else "none")
     if got != wanted:
-        log.warning("the %s drafter does not fit in %s at n_ctx %d: using %s drafting instead",
-                    wanted, budget_words(result), settings.n_ctx, got)
+        fewer = _smaller_parallel(settings, t_info, d_info, result, wanted) if n > 1 else 0
+        log.warning("the %s drafter does not fit in %s at n_ctx %d%s: using %s drafting instead%s",
+                    wanted, budget_words(result), settings.n_ctx, seqs, got,
+                    f" (--parallel {fewer} keeps it)" if fewer else "")
     if settings.drafter == "auto" and got != "none":
-        return "auto", got == "model"
+        return "auto", got == "model", n
     if got == kind.plans_as:  # it fits as asked (copy plans as an n-gram index)
-        return settings.drafter, got == "model"
-    return got, got == "model"
+        return settings.drafter, got == "model", n
+    return got, got == "model", n
 
 
 def check_context(settings: Settings, t_info, d_info=None) -> None:
@@ -277,14 +318,17 @@ def check_context(settings: Settings, t_info, d_info=None) -> None:
         if trained is not None and settings.n_ctx > trained:
             raise UsageError(f"n_ctx (--ctx) {settings.n_ctx} is more than the {trained} tokens {info.path.name} "
                              f"was trained for: pass --ctx {trained} or less")
-    # a lower bound (no copied weights, no runtime): what is refused here could never run
+    # a lower bound (no copied weights, no runtime, one sequence unless more are asked for): what
+    # is refused here could never run
+    n = settings.parallel or 1
     need = estimate_model(t_info, settings.n_ctx, gpu_layers=offloaded_layers(settings.n_gpu_layers),
-                          repacked_types=(), flash_attn=settings.flash_attn).total
+                          repacked_types=(), flash_attn=settings.flash_attn, n_seq=n).total
     have = total_memory()
     if have and need > have:
-        raise UsageError(f"n_ctx (--ctx) {settings.n_ctx} needs at least {need / 2**30:.1f} GiB for {t_info.path.name} "
-                         f"and its KV cache, more than this machine's {have / 2**30:.1f} GiB of RAM and swap: lower "
-                         "--ctx (see `edgespec plan`)")
+        seqs, lower = (f" x {n} sequences (--parallel {n})", "--parallel or --ctx") if n > 1 else ("", "--ctx")
+        raise UsageError(f"n_ctx (--ctx) {settings.n_ctx}{seqs} needs at least {need / 2**30:.1f} GiB for "
+                         f"{t_info.path.name} and its KV cache, more than this machine's {have / 2**30:.1f} GiB of RAM "
+                         f"and swap: lower {lower} (see `edgespec plan`)")
 
 
 def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "auto",
@@ -305,10 +349,13 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
     check_context(settings, t_info, d_info)
     drafter = settings.drafter
     if settings.memory_budget is not None:
-        drafter, keep_draft = fit_budget(settings, t_info, d_info)
+        drafter, keep_draft, n_seq = fit_budget(settings, t_info, d_info)
         if not keep_draft:
             draft_path = None
-    tb = LlamaBackend(target_path, n_ctx=settings.n_ctx, n_gpu_layers=settings.n_gpu_layers,
+    else:  # no limit: as many sequences as asked, or as fit the RAM available now
+        n_seq = parallel_for(settings, t_info, d_info)
+    # n_ctx is one sequence's context: each context holds n_ctx x n_seq KV cells
+    tb = LlamaBackend(target_path, n_ctx=settings.n_ctx, n_seq=n_seq, n_gpu_layers=settings.n_gpu_layers,
                       threads=settings.threads, flash_attn=settings.flash_attn, verbose=settings.verbose)
     db = None
     try:
@@ -320,7 +367,7 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
                         "so it decodes without speculation", target_path.name)
             drafter, draft_path = "none", None
         if draft_path:
-            db = LlamaBackend(draft_path, n_ctx=settings.n_ctx, n_gpu_layers=settings.draft_n_gpu_layers,
+            db = LlamaBackend(draft_path, n_ctx=settings.n_ctx, n_seq=n_seq, n_gpu_layers=settings.draft_n_gpu_layers,
                               threads=settings.threads, flash_attn=settings.flash_attn, verbose=settings.verbose)
         from .promptcache import DiskCache, PromptCache
         cache_bytes = settings.cache_bytes()

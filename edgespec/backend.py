@@ -1,15 +1,19 @@
 """llama.cpp adapter over llama-cpp-python's low-level API.
 
-One model, one context, one sequence. Logits are requested only for the rows that will be
-verified and read with llama_get_logits_ith: never `logits_all`, never the n_ctx x n_vocab
-`Llama.scores` buffer.
+One model, one context, `n_seq` sequences, each in its own stream of n_ctx KV cells. Every
+KV method takes a sequence id (default 0); `eval_batch` evaluates several sequences' tokens
+in one llama_decode (llama.cpp cuts it into micro-batches of equal tokens per sequence);
+`copy_prefix` gives one sequence another's prefix without evaluating it; `sequence(seq)` is a
+view with the one-sequence interface, for code that follows one sequence (a drafter's lane).
+Logits are requested only for the rows that will be verified and read with
+llama_get_logits_ith: never `logits_all`, never the n_ctx x n_vocab `Llama.scores` buffer.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -64,7 +68,7 @@ class LlamaBackend:
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_gpu_layers: int = -1,
                  threads: int | None = None, n_batch: int = 512, flash_attn: str | bool = "off",
-                 verbose: bool = False):
+                 verbose: bool = False, n_seq: int = 1):
         flash_attn = {True: "on", False: "off"}.get(flash_attn, flash_attn)
         if flash_attn not in FLASH_ATTN_TYPES:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
@@ -79,9 +83,16 @@ class LlamaBackend:
                                  "of an unsupported architecture (run with --verbose for details)")
         threads = threads or default_threads()
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = n_ctx
+        n_seq = max(1, int(n_seq))
+        cparams.n_ctx = n_ctx * n_seq
         cparams.n_batch = cparams.n_ubatch = min(n_batch, n_ctx)
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = n_seq
+        if hasattr(cparams, "kv_unified"):
+            # a stream of cells per sequence, in position order as when it runs alone: a
+            # sequence's logits are then bit for bit its logits alone (in one pool, its cells
+            # interleave with the others' and its attention sums in another order: measured on
+            # SmolLM2, logits 0.9 apart after a few rounds of rejected drafts)
+            cparams.kv_unified = False
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
         if hasattr(cparams, "flash_attn_type"):
@@ -92,12 +103,14 @@ class LlamaBackend:
         if not self._ctx:
             L.llama_model_free(self._model)
             self._model = None
-            raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens for "
-                               f"{self.path.name}: lower --ctx or free memory")
+            what = f"{n_seq} sequences of {n_ctx} tokens" if n_seq > 1 else f"{n_ctx} tokens"
+            raise BackendError(f"llama.cpp could not create a context of {what} for "
+                               f"{self.path.name}: lower --ctx{' or --parallel' if n_seq > 1 else ''} or free memory")
         self._vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
         # llama.cpp may round the context up (to 256 at least); the caller's limit still holds
-        self.n_ctx = min(n_ctx, int(L.llama_n_ctx(self._ctx)))
+        self.n_ctx = min(n_ctx, int(L.llama_n_ctx(self._ctx)) // n_seq)  # per sequence
+        self.n_seq = n_seq
         self.n_batch = int(L.llama_n_batch(self._ctx))
         self.threads = threads
         # what changes this backend's speed: the key of its calibration
@@ -112,8 +125,9 @@ class LlamaBackend:
         hybrid = getattr(L, "llama_model_is_hybrid", lambda m: False)(self._model)
         # Recurrent/hybrid state cannot be cut back to an earlier position.
         self.can_truncate = not (recurrent or hybrid)
-        self.tokens: list[int] = []  # the KV cache holds these, at positions 0..n_past-1
-        self._stray = False
+        # per sequence: the KV cache holds these, at positions 0..len-1
+        self._held: list[list[int]] = [[] for _ in range(n_seq)]
+        self._stray: set[int] = set()
         self._piece_buf = ctypes.create_string_buffer(256)
         self._longest = None
         self._specials = None
@@ -197,109 +211,172 @@ class LlamaBackend:
         return int(_llama().llama_vocab_eos(self._vocab))
 
     # -- evaluation -----------------------------------------------------------------------
-    def eval(self, tokens: Sequence[int], rows: Sequence[int]) -> np.ndarray:
-        """Append `tokens` at positions n_past.. and return float32 logits for `rows`
-        (indices into `tokens`), shape (len(rows), n_vocab)."""
+    @property
+    def tokens(self) -> list[int]:
+        """What sequence 0's KV cache holds."""
+        return self._held[0]
+
+    @property
+    def n_past(self) -> int:
+        return len(self._held[0])
+
+    def held(self, seq: int = 0) -> list[int]:
+        """The tokens sequence `seq`'s KV cache holds, position by position (do not modify)."""
+        return self._held[seq]
+
+    def sequence(self, seq: int) -> "SequenceView":
+        return SequenceView(self, seq)
+
+    def eval(self, tokens: Sequence[int], rows: Sequence[int], seq: int = 0) -> np.ndarray:
+        """Append `tokens` to sequence `seq` at positions n_past.. and return float32 logits for
+        `rows` (indices into `tokens`), shape (len(rows), n_vocab)."""
+        return self.eval_batch([(seq, tokens, rows)])[0]
+
+    def eval_batch(self, parts) -> list[np.ndarray]:
+        """Several sequences' tokens in one llama_decode (more when they exceed n_batch):
+        `parts` is [(seq, tokens, rows)], each as `eval` takes them; returns each part's rows."""
         L = _llama()
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise BackendError(f"context of {self.n_ctx} tokens is full: raise --ctx or lower --max-tokens")
+        for seq, tokens, _ in parts:
+            if len(self._held[seq]) + len(tokens) > self.n_ctx:
+                raise BackendError(f"context of {self.n_ctx} tokens is full: raise --ctx or lower --max-tokens")
+        if len({seq for seq, _, _ in parts}) != len(parts):
+            raise ValueError("eval_batch takes each sequence once")
         self._drop_stray()
-        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
-        where = {r: i for i, r in enumerate(rows)}  # token index -> output row
+        outs = [np.empty((len(rows), self.n_vocab), dtype=np.float32) for _, _, rows in parts]
+        # every token to feed: (part, its index in the part, the output row it fills or -1)
+        flat = []
+        # in sequence order: llama.cpp puts consecutive sequences' tokens in one micro-batch
+        for p, (seq, tokens, rows) in sorted(enumerate(parts), key=lambda e: e[1][0]):
+            where = {r: i for i, r in enumerate(rows)}
+            flat.extend((p, j, where.get(j, -1)) for j in range(len(tokens)))
+        base = [len(self._held[seq]) for seq, _, _ in parts]  # token i of part p goes at base[p] + i
         batch = self._batch
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = list(tokens[start:start + self.n_batch])
-            for j, tok in enumerate(chunk):
-                batch.token[j] = tok
-                batch.pos[j] = self.n_past + j
+        for start in range(0, len(flat), self.n_batch):
+            chunk = flat[start:start + self.n_batch]
+            for j, (p, i, _) in enumerate(chunk):
+                seq, tokens, _ = parts[p]
+                batch.token[j] = tokens[i]
+                batch.pos[j] = base[p] + i
                 batch.n_seq_id[j] = 1
-                batch.seq_id[j][0] = 0
-                batch.logits[j] = (start + j) in where
+                batch.seq_id[j][0] = seq
+                batch.logits[j] = chunk[j][2] >= 0
             batch.n_tokens = len(chunk)
-            self._stray = True  # until the bookkeeping below has caught up with llama.cpp
+            seqs = {parts[p][0] for p, _, _ in chunk}
+            self._stray |= seqs  # until the bookkeeping below has caught up with llama.cpp
             rc = L.llama_decode(self._ctx, batch)
             if rc != 0:
                 # a failed decode may leave part of the batch in the cache: drop it
-                L.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+                for seq in seqs:
+                    L.llama_memory_seq_rm(self._mem, seq, len(self._held[seq]), -1)
+                self._stray -= seqs
                 raise BackendError(f"llama_decode failed with code {rc} on {self.path.name}")
-            self.tokens.extend(chunk)
-            self._stray = False
-            for j in range(len(chunk)):
-                if (start + j) in where:
+            for p, i, _ in chunk:
+                seq, tokens, _ = parts[p]
+                self._held[seq].append(int(tokens[i]))
+            self._stray -= seqs
+            for j, (p, _, r) in enumerate(chunk):
+                if r >= 0:
                     ptr = L.llama_get_logits_ith(self._ctx, j)
-                    out[where[start + j]] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
-        return out
+                    outs[p][r] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        return outs
 
     def _drop_stray(self) -> None:
         """An interrupt (KeyboardInterrupt, an exception in a callback) between llama_decode and
-        the bookkeeping leaves positions in the cache that `tokens` does not list: drop them."""
-        if self._stray:
-            self._stray = False
-            if self.pos_max() >= self.n_past and not _llama().llama_memory_seq_rm(self._mem, 0, self.n_past, -1):
-                self.reset()
+        the bookkeeping leaves positions in the cache that the token lists do not hold: drop them."""
+        L = _llama()
+        while self._stray:
+            seq = self._stray.pop()
+            n = len(self._held[seq])
+            if self.pos_max(seq) >= n and not L.llama_memory_seq_rm(self._mem, seq, n, -1):
+                self.reset(seq)
 
-    def truncate(self, pos: int) -> bool:
-        """Drop positions >= pos from the KV cache. False when the model cannot do that."""
+    def truncate(self, pos: int, seq: int = 0) -> bool:
+        """Drop positions >= pos from sequence `seq`. False when the model cannot do that."""
         self._drop_stray()
-        if pos >= self.n_past:
+        held = self._held[seq]
+        if pos >= len(held):
             return True
-        if not _llama().llama_memory_seq_rm(self._mem, 0, pos, -1):
+        if not _llama().llama_memory_seq_rm(self._mem, seq, pos, -1):
             return False
-        del self.tokens[pos:]
+        del held[pos:]
         return True
 
-    def keep_prefix(self, tokens: Sequence[int]) -> int:
+    def keep_prefix(self, tokens: Sequence[int], seq: int = 0) -> int:
         """Reuse the cached prefix shared with `tokens` (all but its last token, which the
         caller feeds to get logits); drop the rest. Returns how many positions were kept."""
         self._drop_stray()
         n = 0
-        for a, b in zip(self.tokens, tokens[:-1]):
+        for a, b in zip(self._held[seq], tokens[:-1]):
             if a != b:
                 break
             n += 1
-        if not self.truncate(n):
-            self.reset()
+        if not self.truncate(n, seq):
+            self.reset(seq)
             return 0
         return n
 
-    def save_state(self) -> tuple[tuple[int, ...], bytes]:
-        """(the tokens the KV cache holds, its bytes): llama.cpp's state of the sequence, to be
+    def copy_prefix(self, src: int, dst: int, n: int) -> int:
+        """Make sequence `dst` hold the first `n` positions of sequence `src` (llama.cpp copies
+        the whole stream, before the next decode; `dst` then drops the rest): nothing is
+        evaluated again. Returns the positions copied."""
+        L = _llama()
+        self._drop_stray()
+        n = min(n, len(self._held[src]))
+        if src == dst:
+            return n if self.truncate(n, dst) else 0
+        self.reset(dst)
+        if n <= 0:
+            return 0
+        L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._held[dst].extend(self._held[src])
+        if not self.truncate(n, dst):
+            self.reset(dst)
+            return 0
+        return n
+
+    def save_state(self, seq: int = 0) -> tuple[tuple[int, ...], bytes]:
+        """(the tokens sequence `seq` holds, its bytes): llama.cpp's state of the sequence, to be
         put back, byte for byte, by `load_state`."""
         L = _llama()
         self._drop_stray()
-        size = int(L.llama_state_seq_get_size(self._ctx, 0))
+        size = int(L.llama_state_seq_get_size(self._ctx, seq))
         data = bytearray(size)
-        n = int(L.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, 0))
+        n = int(L.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq))
         if n <= 0:
             raise BackendError(f"llama.cpp could not save the KV cache of {self.path.name}")
         del data[n:]
-        return tuple(self.tokens), data
+        return tuple(self._held[seq]), data
 
-    def load_state(self, tokens, data: bytes) -> None:
-        """Replace the KV cache with a state `save_state` returned (of this model and context)."""
+    def load_state(self, tokens, data: bytes, seq: int = 0) -> None:
+        """Replace sequence `seq`'s KV cache with a state `save_state` returned (of this model)."""
         L = _llama()
-        L.llama_memory_seq_rm(self._mem, 0, -1, -1)
-        self.tokens.clear()
-        self._stray = False
+        self._drop_stray()
+        L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._held[seq].clear()
         buf = (ctypes.c_uint8 * len(data)).from_buffer(data) if isinstance(data, bytearray) else \
             (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if int(L.llama_state_seq_set_data(self._ctx, buf, len(data), 0)) != len(data):
-            self.reset()
+        if int(L.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) != len(data):
+            self.reset(seq)
             raise BackendError(f"llama.cpp could not restore a saved KV cache of {self.path.name}")
-        self.tokens.extend(tokens)
+        self._held[seq].extend(tokens)
 
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    def pos_max(self) -> int:
+    def pos_max(self, seq: int = 0) -> int:
         """The highest position llama.cpp holds for the sequence (-1 when empty)."""
-        return int(_llama().llama_memory_seq_pos_max(self._mem, 0))
+        return int(_llama().llama_memory_seq_pos_max(self._mem, seq))
 
-    def reset(self) -> None:
-        _llama().llama_memory_clear(self._mem, True)
-        self.tokens.clear()
-        self._stray = False
+    def reset(self, seq: Optional[int] = None) -> None:
+        """Empty sequence `seq`'s KV cache (None: every sequence's)."""
+        L = _llama()
+        if seq is None:
+            L.llama_memory_clear(self._mem, True)
+            for held in self._held:
+                held.clear()
+            self._stray.clear()
+        else:
+            if not L.llama_memory_seq_rm(self._mem, seq, -1, -1):
+                raise BackendError(f"llama.cpp could not clear sequence {seq} of {self.path.name}")
+            self._held[seq].clear()
+            self._stray.discard(seq)
 
     def close(self) -> None:
         L = _llama()
@@ -318,3 +395,47 @@ class LlamaBackend:
             self.close()
         except Exception:
             pass
+
+
+class SequenceView:
+    """One sequence of a backend with the one-sequence interface (tokens, n_past, eval,
+    truncate, keep_prefix, save_state, load_state, reset): a drafter follows its own sequence
+    through it. Everything else (the vocabulary, n_ctx, path) is the backend's."""
+
+    def __init__(self, backend, seq: int):
+        self.backend, self.seq = backend, seq
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.backend.held(self.seq)
+
+    @property
+    def n_past(self) -> int:
+        return len(self.backend.held(self.seq))
+
+    def eval(self, tokens, rows):
+        return self.backend.eval(tokens, rows, seq=self.seq)
+
+    def truncate(self, pos: int) -> bool:
+        return self.backend.truncate(pos, seq=self.seq)
+
+    def keep_prefix(self, tokens) -> int:
+        return self.backend.keep_prefix(tokens, seq=self.seq)
+
+    def save_state(self):
+        return self.backend.save_state(seq=self.seq)
+
+    def load_state(self, tokens, data) -> None:
+        self.backend.load_state(tokens, data, seq=self.seq)
+
+    def pos_max(self) -> int:
+        return self.backend.pos_max(seq=self.seq)
+
+    def reset(self) -> None:
+        self.backend.reset(self.seq)
+
+    def close(self) -> None:
+        """The backend belongs to whoever made it: a view closes nothing."""

@@ -6,7 +6,8 @@ The parts, as llama.cpp allocates them on a CPU:
   an extra CPU buffer (CPU_REPACK; on x86 with AVX2: Q4_0, Q4_K, IQ4_NL, MXFP4, and Q2_K with
   AVX-512) beside the mapped original. Which types depends on the CPU and the build:
   `probe.machine_figures()` measures it on this machine (see probe.py);
-- KV cache: layers x n_ctx x kv_heads x (K + V head sizes) in f16;
+- KV cache: layers x n_ctx x kv_heads x (K + V head sizes) in f16, for each of the n_seq
+  sequences the context serves at once (one unified cache of n_ctx x n_seq cells);
 - activations: llama.cpp reserves a compute buffer for the worst case (all logits of a
   512-token micro-batch), but edgespec asks for logits on a few rows only, so what becomes
   resident is the activations of a prompt micro-batch: n_ubatch x (2.5 n_ff + 4.7 n_embd) f32;
@@ -17,7 +18,7 @@ The parts, as llama.cpp allocates them on a CPU:
   buffers, the CPU kernels' code pages). Both are measured on this machine by the probe (the
   Python, numpy, BLAS and llama.cpp build vary between machines); a small fixed remainder for
   what a run adds on top (chat template, the engine's objects) stays a constant;
-- the n-gram index (a dict entry per n-gram length per context token).
+- the n-gram index (a dict entry per n-gram length per context token, one index per sequence).
 GPU-offloaded layers live in device memory, not in the process's RSS.
 """
 from __future__ import annotations
@@ -91,9 +92,11 @@ def _per_layer(value, n_layer: int, default: int) -> list[int]:
 
 
 def estimate_model(info, n_ctx: int, *, n_ubatch: int = N_UBATCH, gpu_layers: int = 0,
-                   rows: int = 33, repacked_types=None, flash_attn: str = "off") -> ModelEstimate:
+                   rows: int = 33, repacked_types=None, flash_attn: str = "off", n_seq: int = 1) -> ModelEstimate:
     """`info`: a GGUFInfo. `gpu_layers`: layers llama.cpp will offload (0 on a CPU-only build).
-    `repacked_types`: the weight types llama.cpp copies on this CPU (default: measured)."""
+    `repacked_types`: the weight types llama.cpp copies on this CPU (default: measured).
+    `n_seq`: sequences in the context, n_ctx tokens each: one unified KV cache of n_ctx x n_seq
+    cells, which a micro-batch attends over. `rows`: logits rows of a pass, all sequences together."""
     from gguf.constants import GGMLQuantizationType
 
     from .ggufinfo import _tensor_bytes
@@ -129,33 +132,37 @@ def estimate_model(info, n_ctx: int, *, n_ubatch: int = N_UBATCH, gpu_layers: in
             repacked += int(size * share)
     # the KV cache of the layers on the CPU, the first n_cpu (llama.cpp offloads the last ones);
     # sliding-window layers keep a full-size cache too (swa_full is on by default)
-    kv = n_ctx * sum(h * (k_len + v_len) * 2 for h in heads_kv[:n_cpu])
+    cells = n_ctx * max(1, n_seq)
+    kv = cells * sum(h * (k_len + v_len) * 2 for h in heads_kv[:n_cpu])
     n_ff = max(_per_layer(_arch(info, "feed_forward_length"), n_layer, 4 * n_embd)) or 4 * n_embd
-    ub = min(n_ubatch, n_ctx)
+    ub = min(n_ubatch, n_ctx)  # the backend's micro-batch: at most one sequence's context
     activations = int(ub * 4 * (ACTIVATION_FF * n_ff + ACTIVATION_EMBD * n_embd))
     # the worst case of any prompt that fits: its last full micro-batch against the whole context
     # (a short prompt touches neither this nor the activations; see docs/memory.md)
-    attention = attention_scratch(max(heads[:n_cpu]), ub, n_ctx, flash_attn) if n_cpu else 0
+    attention = attention_scratch(max(heads[:n_cpu]), ub, cells, flash_attn) if n_cpu else 0
     merges = int(info.fields.get("tokenizer.ggml.merges.count", 0))
     vocab = VOCAB_BYTES_PER_TOKEN * info.n_vocab + VOCAB_BYTES_PER_MERGE * merges
     return ModelEstimate(weights, repacked, kv, activations, vocab, rows * info.n_vocab * 4, attention)
 
 
 def estimate_process(target_info, draft_info=None, *, n_ctx: int, drafter: str = "none",
-                     gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off") -> dict:
-    """Whole-process peak RSS for a configuration, by part (bytes)."""
+                     gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off",
+                     n_seq: int = 1) -> dict:
+    """Whole-process peak RSS for a configuration, by part (bytes). `n_seq`: sequences served
+    at once (--parallel), n_ctx tokens each, in both models' contexts."""
     fig = machine_figures()
     repacked_types = fig["repacked_types"]
-    # logits rows the target returns per pass: one when decoding plainly, up to 33 when verifying
-    t = estimate_model(target_info, n_ctx, gpu_layers=gpu_layers, rows=1 if drafter == "none" else 33,
-                       repacked_types=repacked_types, flash_attn=flash_attn)
+    # logits rows the target returns per pass and sequence: one when decoding plainly, up to 33
+    # when verifying; a pass serves every sequence
+    t = estimate_model(target_info, n_ctx, gpu_layers=gpu_layers, rows=(1 if drafter == "none" else 33) * n_seq,
+                       repacked_types=repacked_types, flash_attn=flash_attn, n_seq=n_seq)
     contexts = 1
     runtime_parts = {"interpreter": int(fig["runtime_bytes"]), "context": int(fig["context_overhead_bytes"]),
                      "run": RUN_EXTRA, "source": fig.get("source", "measured")}
-    parts = {"runtime": 0, "target": t.total, "target_parts": asdict(t)}
+    parts = {"runtime": 0, "target": t.total, "target_parts": asdict(t), "n_seq": n_seq}
     if drafter == "model" and draft_info is not None:
-        d = estimate_model(draft_info, n_ctx, gpu_layers=draft_gpu_layers, rows=1, repacked_types=repacked_types,
-                           flash_attn=flash_attn)
+        d = estimate_model(draft_info, n_ctx, gpu_layers=draft_gpu_layers, rows=n_seq, repacked_types=repacked_types,
+                           flash_attn=flash_attn, n_seq=n_seq)
         parts["draft"] = d.total
         parts["draft_parts"] = asdict(d)
         contexts = 2
@@ -163,7 +170,7 @@ def estimate_process(target_info, draft_info=None, *, n_ctx: int, drafter: str =
     parts["runtime"] = runtime_parts["interpreter"] + runtime_parts["context"] + runtime_parts["run"]
     parts["runtime_parts"] = runtime_parts
     if drafter == "ngram":
-        parts["ngram_index"] = n_ctx * NGRAM_BYTES_PER_TOKEN
+        parts["ngram_index"] = n_seq * n_ctx * NGRAM_BYTES_PER_TOKEN  # an index per sequence
     parts["total"] = parts["runtime"] + parts["target"] + parts.get("draft", 0) + parts.get("ngram_index", 0)
     return parts
 
@@ -206,17 +213,38 @@ def total_memory() -> int:
 
 
 CTX_CHOICES = (32768, 16384, 8192, 4096, 2048, 1024)
+AUTO_PARALLEL = 4  # n_seq None (--parallel not given): as many sequences as fit, at most this many
 
 
-def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "auto",
-         budget: int | None = None, gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off") -> dict:
-    """Every configuration with its estimate, and the one that fits best: the wanted drafter at
-    the wanted context first, then cheaper drafters (model -> n-gram -> none), then smaller
-    contexts."""
-    budget = available_memory() if budget is None else max(0, budget)
+def wanted_drafters(drafter: str, draft_info=None) -> list[str]:
+    """The planner's configurations for a drafter mode, best first: the one asked for, then the
+    cheaper ones it may fall back to (model -> n-gram -> none)."""
     wanted = ["model", "ngram", "none"] if drafter in ("auto", "model") else [drafter]
     if draft_info is None:
         wanted = [d for d in wanted if d != "model"] or ["none"]
+    return wanted
+
+
+def _seqs(n: int) -> str:
+    return f"{n} sequence" + ("" if n == 1 else "s")
+
+
+def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "auto",
+         budget: int | None = None, gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off",
+         n_seq: int | None = 1) -> dict:
+    """Every configuration with its estimate, and the one that fits best: the wanted drafter at
+    the wanted context first, then cheaper drafters (model -> n-gram -> none), then smaller
+    contexts; all of them for `n_seq` sequences at once. `n_seq` None: the most sequences, up to
+    AUTO_PARALLEL, at which the wanted drafter fits at the wanted context, and 1 (the fallbacks
+    above) when not even one does: parallelism never costs the draft model or the context.
+    The result's `parallel` is the number of sequences planned for."""
+    budget = available_memory() if budget is None else max(0, budget)
+    wanted = wanted_drafters(drafter, draft_info)
+    auto = n_seq is None
+    if auto:
+        n_seq = largest_parallel(target_info, draft_info, n_ctx=n_ctx, drafter=wanted[0], budget=budget,
+                                 limit=AUTO_PARALLEL, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers,
+                                 flash_attn=flash_attn) or 1
     ctxs = [n_ctx] + [c for c in CTX_CHOICES if c < n_ctx]
     configs = []
     for d in ("model", "ngram", "none"):
@@ -224,9 +252,10 @@ def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "aut
             continue
         for c in ctxs:
             est = estimate_process(target_info, draft_info, n_ctx=c, drafter=d, gpu_layers=gpu_layers,
-                                   draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn)
+                                   draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn, n_seq=n_seq)
             configs.append({"drafter": d, "n_ctx": c, "estimated_bytes": est["total"],
                             "fits": est["total"] <= budget, "parts": est})
+    with_seqs = f" with {_seqs(n_seq)}" if n_seq > 1 else ""
     choice, reason = None, ""
     for c in ctxs:
         for d in wanted:
@@ -234,23 +263,43 @@ def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "aut
             if hit:
                 choice = hit
                 reason = ("the requested configuration fits" if (d == wanted[0] and c == n_ctx) else
-                          f"{wanted[0]} at n_ctx {n_ctx} does not fit in {budget / 2**30:.2f} GiB")
+                          f"{wanted[0]} at n_ctx {n_ctx}{with_seqs} does not fit in {budget / 2**30:.2f} GiB")
                 break
         if choice:
             break
-    return {"budget_bytes": budget, "configs": configs,
+    return {"budget_bytes": budget, "parallel": n_seq, "parallel_auto": auto, "configs": configs,
             "choice": ({k: v for k, v in choice.items() if k != "parts"} | {"reason": reason}) if choice else
-            {"reason": f"nothing fits in {budget / 2**30:.2f} GiB, not even plain decoding at n_ctx {ctxs[-1]}"}}
+            {"reason": f"nothing fits in {budget / 2**30:.2f} GiB, not even plain decoding at n_ctx "
+             f"{ctxs[-1]}{with_seqs}"}}
+
+
+def largest_parallel(target_info, draft_info=None, *, n_ctx: int, drafter: str, budget: int, limit: int,
+                     gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off") -> int:
+    """The most sequences (at most `limit`) whose estimate for `drafter` at n_ctx each fits in
+    `budget`; 0 when not even one does. The estimate grows with the number of sequences."""
+    def fits(n):
+        return estimate_process(target_info, draft_info, n_ctx=n_ctx, drafter=drafter, gpu_layers=gpu_layers,
+                                draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn, n_seq=n)["total"] <= budget
+    lo, hi = 0, max(0, limit) + 1  # fits(lo) holds (or lo is 0); hi does not fit (or is past the limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def largest_context(target_info, draft_info=None, *, drafter: str, budget: int, limit: int,
                     gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off",
-                    step: int = 256) -> int:
+                    step: int = 256, n_seq: int = 1) -> int:
     """The largest n_ctx (a multiple of `step`, at most `limit`) whose estimate for `drafter`
-    fits in `budget`; 0 when not even `step` tokens fit. The estimate grows with n_ctx."""
+    with `n_seq` sequences of it fits in `budget`; 0 when not even `step` tokens fit. The
+    estimate grows with n_ctx."""
     def fits(n):
         return estimate_process(target_info, draft_info, n_ctx=n, drafter=drafter, gpu_layers=gpu_layers,
-                                draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn)["total"] <= budget
+                                draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn,
+                                n_seq=n_seq)["total"] <= budget
     lo, hi = 0, max(0, limit // step)  # in steps: fits(lo * step) holds (or lo is 0), hi is the cap
     if hi and fits(hi * step):
         return hi * step
@@ -275,13 +324,15 @@ def _gib(n: int) -> str:
 
 def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: str, budget_given: bool,
             gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off") -> list[str]:
-    """`plan`'s result in sentences for a person: what fits, what was dropped and why, the
-    largest context that fits for each configuration, and where the chosen peak goes."""
+    """`plan`'s result in sentences for a person: what fits, what was dropped and why, how many
+    sequences at once and what their KV caches cost, the largest context that fits for each
+    configuration, and where the chosen peak goes."""
     # what the configurations must fit in: assemble.plan_for's result keeps the prompt cache's
     # share apart (fit_bytes = budget_bytes - cache_bytes); memory.plan's is the budget itself
     budget = result.get("fit_bytes", result["budget_bytes"])
     configs = {(c["drafter"], c["n_ctx"]): c for c in result["configs"]}
-    wanted = ("model" if draft_info is not None else "ngram") if drafter in ("auto", "model") else drafter
+    wanted = wanted_drafters(drafter, draft_info)[0]
+    n_seq = result.get("parallel", 1)
     source = "--memory-budget" if budget_given else "the RAM available now"
     if "cache_bytes" not in result:
         lines = [f"Budget: {_gib(budget)} ({source})."]
@@ -311,6 +362,9 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
                          f"{_gib(c['estimated_bytes'] - budget)} over the budget.")
     if "drafter" in ch and ch["n_ctx"] != n_ctx:
         lines.append(f"Dropped: n_ctx {n_ctx}; the context was lowered to {ch['n_ctx']} to fit.")
+    lines.append(_parallel_words(result, configs, target_info, draft_info, wanted=wanted, n_ctx=n_ctx,
+                                 budget=budget, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers,
+                                 flash_attn=flash_attn))
     from .ggufinfo import trained_context
     trained = [trained_context(i) for i in (target_info, draft_info) if i]
     limit = min([t for t in trained if t] or [CTX_CHOICES[0] * 4])
@@ -319,9 +373,10 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
         if d == "model" and draft_info is None:
             continue
         n = largest_context(target_info, draft_info, drafter=d, budget=budget, limit=limit, gpu_layers=gpu_layers,
-                            draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn)
+                            draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn, n_seq=n_seq)
         largest.append(f"{CONFIG_WORDS[d]} {n:,} tokens" if n else f"{CONFIG_WORDS[d]} none")
-    lines.append(f"Largest context that fits (the model was trained for {limit:,}): " + "; ".join(largest) + ".")
+    each = f"each of {n_seq} sequences, " if n_seq > 1 else ""
+    lines.append(f"Largest context that fits ({each}the model was trained for {limit:,}): " + "; ".join(largest) + ".")
     if "drafter" in ch:
         parts = configs[(ch["drafter"], ch["n_ctx"])]["parts"]
         shares = {}
@@ -335,6 +390,36 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
         lines.append("Flash attention is off: attention scores for every cached position are materialised "
                      "(--flash-attn auto avoids most of that scratch).")
     return lines
+
+
+def _parallel_words(result: dict, configs: dict, target_info, draft_info, *, wanted: str, n_ctx: int,
+                    budget: int, **est) -> str:
+    """'Parallel: 2 sequences (auto: as many as fit, 3 would need about 1.92 GiB): KV 224 MiB of
+    the peak.' How many sequences the plan is for, why, and what their KV caches cost."""
+    n = result.get("parallel", 1)
+    req = configs.get((wanted, n_ctx))
+    if result.get("parallel_auto"):
+        if req is None or not req["fits"]:
+            why = "auto: not even one fits as wanted"
+        elif n < AUTO_PARALLEL:
+            more = estimate_process(target_info, draft_info, n_ctx=n_ctx, drafter=wanted, n_seq=n + 1, **est)
+            why = f"auto: as many as fit, {n + 1} would need about {_gib(more['total'])}"
+        else:
+            why = f"auto: the most without --parallel, {AUTO_PARALLEL}"
+    else:
+        why = f"--parallel {n}"
+        if req is not None and not req["fits"] and n > 1:
+            k = largest_parallel(target_info, draft_info, n_ctx=n_ctx, drafter=wanted, budget=budget, limit=n - 1,
+                                 **est)
+            if k:
+                why += f"; --parallel {k} fits {CONFIG_WORDS[wanted]} at n_ctx {n_ctx}"
+    kv = ""
+    ch = result["choice"]
+    if "drafter" in ch:
+        parts = configs[(ch["drafter"], ch["n_ctx"])]["parts"]
+        kv_bytes = sum(parts.get(key, {}).get("kv_cache", 0) for key in ("target_parts", "draft_parts"))
+        kv = f": KV {kv_bytes / 2**20:,.0f} MiB of the peak"
+    return f"Parallel: {_seqs(n)} at once ({why}){kv}."
 
 
 def peak_rss() -> int:

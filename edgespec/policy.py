@@ -465,7 +465,7 @@ def best_length(costs: Costs, survival: list[float], draft_step: float = 0.0) ->
 
 
 def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0, fixed: float = 0.0,
-                base: tuple[int, int] = (1, 1)) -> tuple[int, float]:
+                base: tuple[int, int] = (1, 1), token_cost: Optional[float] = None) -> tuple[int, float]:
     """(draft length >= 1, expected seconds saved) for the length that saves the most time
     against decoding the same expected tokens one pass each; survival[j - 1] is the chance
     that the first j drafts are all accepted; `fixed` is spent whatever the length (the draft
@@ -477,8 +477,12 @@ def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0, fi
     linear: rows added to a longer pass are cheaper).
 
     Savings, not tokens per second: at a copy accepted 95% per token, 2 rows and 16 rows may
-    yield the same tokens per second, but the 16-row pass saves eight times as much."""
-    t1 = costs.verify_cost(1)
+    yield the same tokens per second, but the 16-row pass saves eight times as much.
+
+    `token_cost`: what a token costs without drafts (default a one-row pass; when several
+    sequences share the pass, their plain pass over their number: on a CPU a row costs nearly
+    a step, so rows added to a shared pass pay only for drafts likelier to be accepted)."""
+    t1 = costs.verify_cost(1) if token_cost is None else token_cost
     fed, rows = base
     anyway = costs.pass_cost(fed, rows)
     best = (0, -math.inf)
@@ -523,6 +527,10 @@ class Policy:
         """The costs believed now (calibrated, then corrected by what the passes showed)."""
         return self.online.current()
 
+    def fork(self) -> "Policy":
+        """A policy for another sequence: the same device costs, its own acceptance figures."""
+        return Policy(self.online, self.max_gamma, self.model_prior)
+
     def reset(self) -> None:
         """Forget what was learnt about acceptance (the benchmark starts every run from the
         priors). What the device costs is a fact of the device, not of a prompt: kept."""
@@ -552,15 +560,17 @@ class Policy:
 
     # -- deciding -------------------------------------------------------------------------------
     def choose(self, offer=None, has_model: bool = False, room: int = 0, model_lag: int = 1,
-               base: tuple[int, int] = (1, 1)) -> Choice:
+               base: tuple[int, int] = (1, 1), seqs: int = 1) -> Choice:
         """`offer`: a copy proposal (`Offer`, or a tuple (run length, continuation tokens
         available[, state[, risk]])) or None; `room`: most drafts that fit (context and
         max_tokens); `model_lag`: committed tokens the draft model has not seen yet; `base`:
-        the pass this round makes anyway (tokens fed, rows computed: see `best_saving`)."""
+        the pass this round makes anyway (tokens fed, rows computed: see `best_saving`), with
+        `seqs` sequences' rows in it."""
         self._model_lag = model_lag
         costs = self.online.current()
         self.online.tick()
         t1 = costs.verify_cost(1)
+        value = t1 if seqs <= 1 else costs.verify_cost(seqs) / seqs  # a plain token in this pass
         best = Choice("none", 0, 1.0 / t1)
         runner_up, saving = best, -math.inf  # the most promising draft
         tests: list[Choice] = []  # every drafter on offer, for exploration
@@ -577,7 +587,7 @@ class Policy:
                     for i, r in enumerate(offer.risk[:n]):
                         keep *= 1.0 - r
                         surv[i] *= keep
-                g, saving = best_saving(costs, surv, base=base)
+                g, saving = best_saving(costs, surv, base=base, token_cost=value)
                 self._last_first_rate = surv[0] if surv else 0.0
                 if g:  # named by what it is: a fresh lookup hit or an aligned copy
                     runner_up = Choice("copy" if offer.state == "aligned" else "ngram", g,
@@ -586,7 +596,7 @@ class Policy:
         if has_model and room > 0 and costs.draft_step is not None:
             alpha = self.model.lower(CAUTION)
             surv = [alpha ** j for j in range(1, min(room, self.max_gamma) + 1)]
-            g, saved = best_saving(costs, surv, costs.draft_step, costs.catch_up(model_lag), base)
+            g, saved = best_saving(costs, surv, costs.draft_step, costs.catch_up(model_lag), base, value)
             if g:
                 tests.append(Choice("model", g, _tps(costs, surv[:g], costs.draft_step)))
                 if saved > saving:

@@ -2,9 +2,9 @@
 
 On an edge CPU the time to the first token is prefill (about a third of a decode step per
 token), so an app that switches between three chats, or an agent whose planner and coder share
-a model, would otherwise prefill each conversation again at every turn. The engine keeps one
-conversation in llama.cpp's context (its live slot); when a request is about to throw most of
-it away, the slot is saved here (llama.cpp's per-sequence state: the target's and the draft
+a model, would otherwise prefill each conversation again at every turn. The engine keeps a
+conversation in each of llama.cpp's sequences (slots.py); when a request is about to throw most
+of one away, it is saved here (llama.cpp's per-sequence state: the target's and the draft
 model's, byte for byte), and a later request whose tokens extend a saved conversation's
 restores it and evaluates only the rest. A restore is byte-exact: the conversation continues
 exactly as if it had never left.

@@ -1,5 +1,6 @@
 """A numpy stand-in for LlamaBackend: next-token logits from a table indexed by the previous
-token (an order-1 Markov model). It checks the engine's KV bookkeeping on every call."""
+token (an order-1 Markov model), with `n_seq` sequences. It checks the engine's KV bookkeeping
+on every call."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ import numpy as np
 
 class FakeBackend:
     def __init__(self, table: np.ndarray, *, n_ctx: int = 4096, eos: int = -1, name: str = "fake",
-                 vocab_bytes=None):
+                 vocab_bytes=None, n_seq: int = 1):
         self.table = np.asarray(table, dtype=np.float32)  # (V, V): row = previous token
         self.vocab_bytes = vocab_bytes  # each token's bytes, for constraints (llguidance's tokenizer)
         self.n_vocab = self.table.shape[1]
@@ -18,18 +19,31 @@ class FakeBackend:
         self.bos = 0
         self.path = Path(name + ".gguf")
         self.can_truncate = True
-        self.cache: list[int] = []  # what a KV cache would hold, position by position
+        self.n_seq = n_seq
+        self.caches: list[list[int]] = [[] for _ in range(n_seq)]  # what each sequence's KV cache holds
         self.evals = 0
+        self.batches: list[list[tuple[int, int, int]]] = []  # per eval_batch: (seq, tokens, rows) of each part
         self.closed = False
         self.settings = {"n_ctx": n_ctx}
 
     @property
+    def cache(self) -> list[int]:
+        return self.caches[0]
+
+    @property
     def n_past(self) -> int:
-        return len(self.cache)
+        return len(self.caches[0])
 
     @property
     def tokens(self) -> list[int]:
-        return self.cache
+        return self.caches[0]
+
+    def held(self, seq=0):
+        return self.caches[seq]
+
+    def sequence(self, seq):
+        from edgespec.backend import SequenceView
+        return SequenceView(self, seq)
 
     def tokenize(self, text, add_bos=True, special=True):
         # digits are token ids; other words map to a stable id
@@ -69,30 +83,47 @@ class FakeBackend:
     def is_eog(self, token):
         return token == self.eos
 
-    def eval(self, tokens, rows):
-        assert not self.closed, "eval after close"
-        assert len(self.cache) + len(tokens) <= self.n_ctx, "context overflow"
-        self.cache.extend(int(t) for t in tokens)
-        self.evals += 1
-        return np.stack([self.table[tokens[r]] for r in rows]) if len(rows) else np.zeros((0, self.n_vocab), np.float32)
+    def eval(self, tokens, rows, seq=0):
+        return self.eval_batch([(seq, tokens, rows)])[0]
 
-    def truncate(self, pos):
-        del self.cache[pos:]
+    def eval_batch(self, parts):
+        assert not self.closed, "eval after close"
+        assert len({seq for seq, _, _ in parts}) == len(parts), "a sequence twice in one batch"
+        out = []
+        for seq, tokens, rows in parts:
+            cache = self.caches[seq]
+            assert len(cache) + len(tokens) <= self.n_ctx, "context overflow"
+            cache.extend(int(t) for t in tokens)
+            out.append(np.stack([self.table[tokens[r]] for r in rows]) if len(rows)
+                       else np.zeros((0, self.n_vocab), np.float32))
+        self.evals += 1
+        self.batches.append([(seq, len(tokens), len(rows)) for seq, tokens, rows in parts])
+        return out
+
+    def truncate(self, pos, seq=0):
+        del self.caches[seq][pos:]
         return True
 
-    def pos_max(self):
-        return len(self.cache) - 1
+    def pos_max(self, seq=0):
+        return len(self.caches[seq]) - 1
 
-    def reset(self):
-        self.cache.clear()
+    def reset(self, seq=None):
+        for s in (range(self.n_seq) if seq is None else [seq]):
+            self.caches[s].clear()
 
-    def keep_prefix(self, tokens):
+    def keep_prefix(self, tokens, seq=0):
+        cache = self.caches[seq]
         n = 0
-        for a, b in zip(self.cache, tokens[:-1]):
+        for a, b in zip(cache, tokens[:-1]):
             if a != b:
                 break
             n += 1
-        del self.cache[n:]
+        del cache[n:]
+        return n
+
+    def copy_prefix(self, src, dst, n):
+        n = min(n, len(self.caches[src]))
+        self.caches[dst][:] = self.caches[src][:n]
         return n
 
     def close(self):

@@ -201,8 +201,10 @@ def no_load(monkeypatch):
 
 
 def _needs(smol, smol_draft, capsys) -> dict:
-    """plan's estimate per drafter at n_ctx 1024 for SmolLM2 + its cut-down draft."""
-    assert main(["plan", "--target", str(smol), "--draft", str(smol_draft), "--ctx", "1024", "--json"]) == 0
+    """plan's estimate per drafter at n_ctx 1024 for SmolLM2 + its cut-down draft, one sequence
+    (what `run` plans for; without a budget `plan` would choose up to 4 by the RAM available)."""
+    assert main(["plan", "--target", str(smol), "--draft", str(smol_draft), "--ctx", "1024", "--parallel", "1",
+                 "--json"]) == 0
     configs = json.loads(capsys.readouterr().out)["configs"]
     return {c["drafter"]: c["estimated_bytes"] for c in configs if c["n_ctx"] == 1024}
 
@@ -230,12 +232,12 @@ def test_plan_run_and_the_library_drop_the_draft_model_at_the_same_budget(smol, 
     assert f"the model drafter does not fit in {_fit(budget)} (" in err and "using ngram drafting" in err
     settings = Settings(target=str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024,
                         memory_budget=budget).validate()
-    assert fit_budget(settings, read_info(smol), read_info(smol_draft)) == ("ngram", False)
+    assert fit_budget(settings, read_info(smol), read_info(smol_draft)) == ("ngram", False, 1)
     # with the cache share given back, all three keep the draft model
     assert main(["plan", *base, "--cache-ram", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["choice"]["drafter"] == "model"
     from dataclasses import replace
-    assert fit_budget(replace(settings, cache_ram=0), read_info(smol), read_info(smol_draft)) == ("model", True)
+    assert fit_budget(replace(settings, cache_ram=0), read_info(smol), read_info(smol_draft)) == ("model", True, 1)
 
 
 def test_plan_run_and_the_library_refuse_the_same_budget_with_the_same_figure(smol, smol_draft, capsys, no_load):

@@ -231,7 +231,7 @@ def test_models_shows_plans_peak_in_gib_and_hides_test_pairs(capsys):
     code, listed, _ = run_cli(["models", "--json"], capsys)
     smol = next(p for p in json.loads(listed)["pairs"] if p["name"] == "smollm2-135m")
     # the planner's peak for the pair at the default context: the figure `plan` prints for it
-    code, plan_out, _ = run_cli(["plan", "smollm2-135m", "--json"], capsys)
+    code, plan_out, _ = run_cli(["plan", "smollm2-135m", "--parallel", "1", "--json"], capsys)
     want = next(c for c in json.loads(plan_out)["configs"] if (c["drafter"], c["n_ctx"]) == ("ngram", 4096))
     assert smol["planned_peak_bytes"] == want["estimated_bytes"]
     assert smol["planned_config"] == {"drafter": "ngram", "n_ctx": 4096}

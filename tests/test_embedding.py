@@ -30,7 +30,7 @@ def run_child(code: str, timeout: int = 240) -> str:
 
 @pytest.fixture(scope="module")
 def engine(smol):
-    with Engine.load(str(smol), drafter="ngram", n_ctx=1024) as eng:
+    with Engine.load(str(smol), drafter="ngram", n_ctx=1024, parallel=1) as eng:  # one at a time
         yield eng
 
 
@@ -137,30 +137,41 @@ def test_keyboard_interrupt_at_any_moment_leaves_the_engine_consistent(engine):
     want = engine.chat(STORY, max_tokens=30).tokens
     assert len(want) == 30
     target = engine.target
-    real_eval = type(target).eval
-    # (which eval raises, from an empty cache: then eval 1 is the prompt's prefill)
+    real_eval = type(target).eval_batch
+    # (which pass raises, from an empty cache: then pass 1 is the prompt's prefill)
     for when, fresh in ((1, True), (1, False), (2, False), (3, True), (4, False)):
         if fresh:
             engine.reset()
         calls = {"n": 0}
 
-        def interrupted_eval(self, tokens, rows, _when=when):
+        def interrupted_eval(self, parts, _when=when):
             calls["n"] += 1
-            out = real_eval(self, tokens, rows)
+            out = real_eval(self, parts)
             if calls["n"] == _when:
-                self.tokens.pop()  # as if the interrupt came between llama_decode and the bookkeeping
-                self._stray = True
+                seq = parts[-1][0]
+                self.held(seq).pop()  # as if the interrupt came between llama_decode and the bookkeeping
+                self._stray.add(seq)
                 raise KeyboardInterrupt
             return out
-        target.eval = interrupted_eval.__get__(target)
+        target.eval_batch = interrupted_eval.__get__(target)
         with pytest.raises(KeyboardInterrupt):
             engine.chat(STORY, max_tokens=30)
-        del target.eval
+        del target.eval_batch
         assert target.pos_max() <= target.n_past - 1 or target._stray
         engine.reset()
         assert engine.chat(STORY, max_tokens=30).tokens == want, when
     # and without a reset: the cached prefix is still right
     assert engine.chat(STORY, max_tokens=30).tokens == want
+
+
+def test_a_second_stream_of_one_thread_runs_beside_the_first_when_parallel_allows(smol):
+    with Engine.load(str(smol), drafter="ngram", n_ctx=1024, parallel=2) as eng:
+        alone = eng.chat([{"role": "user", "content": "Count to twenty."}], max_tokens=30).tokens
+        old = eng.stream_chat([{"role": "user", "content": "Count to twenty."}], max_tokens=30)
+        next(old)
+        new = eng.chat([{"role": "user", "content": "Name a colour."}], max_tokens=5)
+        assert len(new.tokens) == 5
+        assert old.result().tokens == alone  # it went on, in the rounds the other one ran
 
 
 def test_an_outdated_stream_raises_when_resumed(engine):

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import pytest
 
-import edgespec.engine as engine_mod
+import edgespec.rounds as rounds
 from edgespec.drafters.model import ModelDrafter
 from edgespec.engine import Engine
 from edgespec.sampling import SamplingParams, sample, warp
@@ -126,7 +126,7 @@ def wrong_verify_no_residual(draft, p, q, rng):
 def test_the_statistical_test_catches_a_wrong_verifier(monkeypatch):
     wrong = wrong_verify_no_residual
     p, q = _tables(5, q_zero=(3,))
-    monkeypatch.setattr(engine_mod, "verify", wrong)
+    monkeypatch.setattr(rounds, "verify", wrong)
     joint, _ = empirical(auto_engine(p, q), PARAMS, N // 6, prompt=REPEATING)
     want_joint, _ = exact_laws(p, PARAMS, first=1)
     # with a sixth of the draws the wrong sampler still lands far outside the threshold

@@ -30,8 +30,9 @@ QUEUE = 2
 # one thread: on this shared two-core machine, llama.cpp with two threads slows ~10x whenever another
 # process is busy (its threads wait for each other); both processes must use the same count
 THREADS = 2
-SERVER_FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--threads", str(THREADS), "--queue-size", str(QUEUE),
-                "--api-key", KEY]
+# one generation at a time: the queue tests below count on it (several at once: test_server_parallel.py)
+SERVER_FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--threads", str(THREADS), "--parallel", "1",
+                "--queue-size", str(QUEUE), "--api-key", KEY]
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # SmolLM2 keeps counting: a generation as long as max_tokens
 
 M_MUTEX = [{"role": "user", "content": "What is a mutex?"}]
@@ -290,6 +291,9 @@ def test_the_serve_verb_registers_on_a_cli_parser():
     args = parser.parse_args(["serve", "smollm2-135m", "--port", "0", "--cors-origin", "http://a", "--queue-size", "1"])
     assert args.func is cmd_serve and args.pair == "smollm2-135m" and args.host == "127.0.0.1"
     assert args.cors_origin == ["http://a"] and args.queue_size == 1 and args.ctx == 4096
+    assert args.parallel is None  # as many as the memory plan allows
+    for flag in ("--parallel", "-np"):
+        assert parser.parse_args(["serve", flag, "3"]).parallel == 3
 
 
 # -- in process, on a fake engine: loading and CORS ---------------------------------------------

@@ -13,6 +13,12 @@ Writes JSON and prints a table.
 `--kinds structured` runs the structured-output benchmark instead (`bench/structured.py`):
 JSON answers under a schema with auto, none and llama-cpp-python's grammar path against plain
 unconstrained decoding; validity, forced / copied / sampled shares and the hindsight ceiling.
+
+`--parallel-requests [N]` (default 4) runs the several-requests benchmark instead
+(`bench/parallel.py`): N prompts (one per kind unless --limit) served one after another and then all
+at once on one engine with parallel=N, auto and plain decoding, answers compared, aggregate tokens/s
+and their ratio; and the wall time of a short request (--max-tokens / 8) sent beside a long answer
+(2 x --max-tokens). JSON to --out (default bench-results/parallel.json).
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ class Options:
     sweep: tuple[int, ...] = ()
     acceptance: bool = False
     out: str = "bench-results/bench.json"
+    parallel_requests: Optional[int] = None  # N: the several-requests benchmark (bench/parallel.py)
 
     @property
     def structured(self) -> bool:
@@ -66,6 +73,13 @@ class Options:
             raise UsageError(f"unknown bench mode(s) {', '.join(bad)}; choose from {', '.join(allowed)}")
         if any(not 1 <= g <= 32 for g in self.sweep):
             raise UsageError(f"--sweep draft lengths must be in 1..32, got {list(self.sweep)}")
+        if self.parallel_requests is not None:
+            from .parallel import MAX_REQUESTS
+            if not 2 <= self.parallel_requests <= MAX_REQUESTS:
+                raise UsageError(f"--parallel-requests takes 2..{MAX_REQUESTS} requests, got {self.parallel_requests}")
+            if self.structured or self.sweep or self.acceptance or self.trials != 1 or self.modes != ("auto",):
+                raise UsageError("--parallel-requests runs on its own (auto against plain decoding, one trial): "
+                                 "leave out --kinds structured, --modes, --sweep, --acceptance and --trials")
         return self
 
 
@@ -86,7 +100,11 @@ def add_arguments(p) -> None:
     p.add_argument("--acceptance", action="store_true",
                    help="also measure T=1 acceptance of the draft model: exact sampling vs draft-argmax matching")
     p.add_argument("--out", default="bench-results/bench.json", metavar="FILE",
-                   help="JSON output; a PNG chart is written beside it when matplotlib is installed")
+                   help="JSON output; a PNG chart is written beside it when matplotlib is installed "
+                   "(--parallel-requests: default bench-results/parallel.json, no chart)")
+    p.add_argument("--parallel-requests", nargs="?", type=int, const=4, default=None, metavar="N",
+                   help="instead: N requests (default 4) one after another and then at once on one engine "
+                   "with parallel=N, auto and plain, and a short request beside a long answer (bench/parallel.py)")
 
 
 def options_from_args(args) -> Options:
@@ -95,11 +113,14 @@ def options_from_args(args) -> Options:
     except ValueError:
         raise UsageError(f"--sweep takes draft lengths like 1,2,4,8, got {args.sweep!r}") from None
     structured = STRUCTURED in (args.kinds or "").split(",")
+    if getattr(args, "parallel_requests", None) is not None and "," in (getattr(args, "memory_budget", None) or ""):
+        raise UsageError("--parallel-requests runs one configuration: give --memory-budget one size, not a sweep")
     modes = args.modes if args.modes is not None else ",".join(_structured_modes()) if structured else "auto"
     tokens = args.bench_tokens if args.bench_tokens is not None else STRUCTURED_TOKENS if structured else 128
     return Options(workloads=args.workloads, kinds=args.kinds, limit=args.limit, bench_tokens=tokens,
                    trials=args.trials, modes=tuple(m for m in modes.split(",") if m), sweep=sweep,
-                   acceptance=args.acceptance, out=args.out).validate()
+                   acceptance=args.acceptance, out=args.out,
+                   parallel_requests=getattr(args, "parallel_requests", None)).validate()
 
 
 def _structured_modes() -> tuple[str, ...]:
@@ -187,6 +208,9 @@ def main(settings, opts: Options, progress=None) -> int:
     if opts.structured:
         from . import structured
         return structured.main(settings, opts, progress)
+    if opts.parallel_requests is not None:
+        from . import parallel
+        return parallel.main(settings, opts, progress)
     items = load_workloads(opts.workloads or str(default_workloads()), opts.kinds, opts.limit)
     if settings.memory_budget is not None:
         from .memory import memory_bench

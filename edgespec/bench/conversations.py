@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     results = {}
     for label, cache in (("cache", None), ("no cache", 0)):
-        settings = Settings(target=a.target or a.pair, drafter=a.drafter, n_ctx=a.ctx, threads=a.threads,
+        settings = Settings(target=a.target or a.pair, parallel=1, drafter=a.drafter, n_ctx=a.ctx, threads=a.threads,
                             cache_ram=cache)
         with Engine.from_settings(settings, progress=ProgressBar()) as eng:
             eng.chat([{"role": "user", "content": "Hello"}], max_tokens=2)  # warm-up

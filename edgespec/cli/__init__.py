@@ -78,13 +78,15 @@ def cmd_run(args) -> int:
     _positional_prompt(args)
     req = request_from_args(args)
     _check_arg_text("--system", args.system)
-    settings_from_args(args)  # every flag checked before a prompt is read or a model loaded
+    # one conversation: one sequence's KV cache, not --parallel's (every flag checked before a
+    # prompt is read or a model loaded)
+    settings_from_args(args, parallel=1)
     if args.prompt is None and not args.file and sys.stdin.isatty() and not args.raw and not args.json:
         from .repl import chat
-        with load_engine(args) as engine:
+        with load_engine(args, parallel=1) as engine:
             return chat(engine, req, system=args.system, show_drafts=args.show_drafts)
     prompt = _read_prompt(args)
-    with load_engine(args) as engine:
+    with load_engine(args, parallel=1) as engine:
         ProgressBar.finish_open()  # the answer starts on a line of its own
         if args.raw:
             events = engine.stream(prompt, req)
@@ -137,7 +139,8 @@ def cmd_models(args) -> int:
     from ..hub import local_path
     from ..registry import load_registry
     reg = load_registry(args.models)
-    settings = Settings(models_file=args.models)  # `plan PAIR`'s defaults: context, drafter, flash attention
+    # `plan PAIR`'s defaults (context, drafter, flash attention) for one conversation
+    settings = Settings(models_file=args.models, parallel=1)
     rows, hidden = [], 0
     for name, pair in sorted(reg.pairs.items()):
         if pair.hidden and not args.all and name != reg.default:
@@ -171,7 +174,7 @@ def cmd_models(args) -> int:
         print(f"{mark}{name:<23} {_gb(r['download_bytes']):>10} {_gb(r['planned_peak_bytes']):>12}  "
               f"{'yes' if r['local'] else 'no':<5}  {files}")
     print(f"* default pair.  peak: `plan`'s estimate at n_ctx {settings.n_ctx} with the draft model (n-gram drafting "
-          "for a target alone), before the prompt cache; ? until the files are here.")
+          "for a target alone), one sequence, before the prompt cache; ? until the files are here.")
     print("`python -m edgespec pull NAME` downloads one; `python -m edgespec plan NAME --memory-budget 4GiB` "
           "says what fits." + (f"  {hidden} pair(s) for tests not shown (--all)." if hidden else ""))
     return 0
@@ -208,9 +211,11 @@ def _setup_plan(sub) -> None:
     p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=4096, metavar="N",
                    help="wanted context size (default 4096)")
     p.add_argument("--drafter", default="auto", metavar="MODE", help="wanted drafter: auto | model | ngram | none")
-    from ..assemble import BUDGET_FLAGS
+    from ..assemble import BUDGET_FLAGS, PARALLEL_FLAGS
     for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: as on every other verb
         p.add_argument(flag, **kw)
+    for flags, kw in PARALLEL_FLAGS.items():  # --parallel: as `serve` takes it
+        p.add_argument(*flags, **kw)
     p.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=int, default=-1, metavar="N",
                    help="target layers on the GPU (-1 all)")
     p.add_argument("--draft-n-gpu-layers", "-ngld", "--n-gpu-layers-draft", type=int, default=-1, metavar="N",
@@ -223,7 +228,7 @@ def _setup_plan(sub) -> None:
 def cmd_plan(args) -> int:
     from ..assemble import plan_for, resolve_files
     from ..ggufinfo import read_info
-    settings = settings_from_args(args)
+    settings = settings_from_args(args, parallel=args.parallel)
     target, d_path = resolve_files(settings, download=False)
     t = read_info(target)
     d = read_info(d_path) if d_path else None
@@ -240,7 +245,9 @@ def cmd_plan(args) -> int:
                              gpu_layers=offloaded_layers(settings.n_gpu_layers),
                              draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers),
                              flash_attn=settings.flash_attn)))
-    print(f"\nAll configurations (fits: in {result['fit_bytes'] / 2**30:.2f} GiB):\n"
+    n = result["parallel"]
+    seqs = f" for {n} sequences" if n > 1 else ""
+    print(f"\nAll configurations{seqs} (fits: in {result['fit_bytes'] / 2**30:.2f} GiB):\n"
           f"{'drafter':<8} {'n_ctx':>6} {'estimate':>10}  fits")
     for c in result["configs"]:
         fits = "yes" if c["fits"] else "no"
@@ -347,9 +354,9 @@ def cmd_bench(args) -> int:
     if args.memory_budget and "," in args.memory_budget:  # a sweep: one process per budget
         from ..bench import budgets
         sizes = budgets.parse_budgets(args.memory_budget)
-        return budgets.main(settings_from_args(args, drafter="auto", memory_budget=None), sizes,
+        return budgets.main(settings_from_args(args, drafter="auto", memory_budget=None, parallel=1), sizes,
                             bench.options_from_args(args))
-    settings = settings_from_args(args, drafter="auto")
+    settings = settings_from_args(args, drafter="auto", parallel=1)  # one request at a time is what it measures
     return bench.main(settings, bench.options_from_args(args), progress=ProgressBar())
 
 
@@ -365,7 +372,7 @@ def _setup_calibrate(sub) -> None:
 
 def cmd_calibrate(args) -> int:
     from ..engine import Engine
-    settings = settings_from_args(args, drafter="auto")  # the figures are auto's
+    settings = settings_from_args(args, drafter="auto", parallel=1)  # the figures are auto's, for one sequence
     with Engine.from_settings(settings, calibrate="now", progress=ProgressBar()) as eng:
         costs = eng.drafter.policy.costs
     if args.json:

@@ -5,6 +5,11 @@ Lifecycle: `begin(prompt tokens)` once per request; each round `propose(...)` re
 was committed, how much of its draft was accepted and what the passes cost. `reset()` forgets
 everything a drafter learnt or cached; `close()` frees what it holds.
 
+Several sequences: `fork(seq)` makes the drafter's lane for another sequence (its own state,
+the same models and device costs); `plan(...)`, where a drafter has it, is `propose` that may
+answer with a `model.ModelWant` instead of a draft, so that the engine drafts for every
+sequence that wants the draft model in one batch (`model.draft_many`).
+
 A draft carries the q rows its tokens were sampled from, or None for point-mass drafts
 (n-gram lookup, argmax drafting): verification is exact either way. Under a constraint,
 `propose` gets the request's `constraints.Guide` at the committed position: a drafter that
@@ -43,6 +48,9 @@ class Round:
     draft_seconds: float     # wall time of `propose`
     fed: int = -1            # tokens that pass evaluated when more than its rows (forced tokens, rows
                              # a constraint decided): its time is then no sample of a k-row pass
+    timed_pass: bool = True  # the pass's time is this drafter's to learn from (a pass shared by several
+                             # sequences is learnt from once, by the first; verify_rows are then all of its rows)
+    timed_draft: bool = True  # draft_seconds is this sequence's own drafting (not a batch of several)
 
 
 class Drafter(Protocol):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..policy import Offer
 from . import NO_DRAFT, Draft, Round
 from .copy import CopyDrafter
+from .model import ModelWant, draft_many
 from .ngram import NgramDrafter
 from .quote import value_end
 
@@ -37,7 +38,20 @@ class AutoDrafter:
         if self.model is not None:
             self.model.begin(tokens)
 
+    def fork(self, seq: int) -> "AutoDrafter":
+        """The lane for sequence `seq`: its own copy drafter and acceptance figures, the same
+        draft model (its sequence `seq`) and the same device costs."""
+        return AutoDrafter(self.policy.fork(), self.copy.fork(seq),
+                           self.model.fork(seq) if self.model is not None else None)
+
     def propose(self, tokens, room, params, rng, guide=None) -> Draft:
+        d = self.plan(tokens, room, params, rng, guide)
+        return d if isinstance(d, Draft) else draft_many([d])[0]
+
+    def plan(self, tokens, room, params, rng, guide=None, share=None):
+        """`propose`, but a model draft comes back as a ModelWant (drafted in a batch with the
+        other sequences'); `share` = (tokens fed, rows, sequences) of the rest of the pass this
+        round makes: what a draft adds is priced against the whole pass."""
         if room <= 0:
             return NO_DRAFT
         m = self.copy.match(tokens, min(room, self.policy.max_gamma))
@@ -54,11 +68,13 @@ class AutoDrafter:
         # tokens past the committed ones are forced by the constraint: they ride in this round's
         # pass (fed, their rows decided by the mask), and a draft adds to that pass
         forced = max(0, len(tokens) - self._committed)
-        choice = self.policy.choose(offer, self.model is not None, room, self._lag, (1 + forced, 1))
+        fed, rows, seqs = share or (0, 0, 1)
+        choice = self.policy.choose(offer, self.model is not None, room, self._lag,
+                                    (1 + forced + fed, 1 + rows), seqs)
         if choice.drafter in ("copy", "ngram"):
             return Draft(cont[:choice.gamma], None, choice.drafter)
         if choice.drafter == "model":
-            return self.model.draft(tokens, choice.gamma, params, rng, guide)
+            return ModelWant(self.model, tokens, choice.gamma, params, rng, guide)
         return NO_DRAFT
 
     def observe(self, round: Round) -> None:
@@ -77,8 +93,9 @@ class AutoDrafter:
                 policy.copy_outcome(m.state, m.run, matched, compared, m.in_prompt, self._constrained)
         if round.draft.source == "model":
             policy.model_outcome(round.accepted, len(round.draft.tokens))
-            policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds, self._lag)
-        if round.fed in (-1, round.verify_rows):
+            if round.timed_draft:
+                policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds, self._lag)
+        if round.timed_pass and round.fed in (-1, round.verify_rows):
             policy.online.observe_pass(round.verify_rows, round.verify_seconds)
 
     def _model_lag(self, tokens: list[int]) -> int:

@@ -268,5 +268,9 @@ class CopyDrafter:
     def observe(self, round: Round) -> None:
         self.advance(round.tokens)
 
+    def fork(self, seq: int) -> "CopyDrafter":
+        """A drafter like this one for another sequence (its own index and alignment)."""
+        return CopyDrafter(self.gamma, self.ngram.fork(seq))
+
     def close(self) -> None:
         pass

@@ -1,5 +1,12 @@
-"""A smaller model with the target's tokenizer drafts by sampling from its own warped logits."""
+"""A smaller model with the target's tokenizer drafts by sampling from its own warped logits.
+
+Each sequence the engine runs has its own lane (`fork`): the same draft model, its own
+sequence of the draft model's KV cache. `draft_many` drafts for several lanes at once, step by
+step, each step of every lane in one llama_decode of the draft model.
+"""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -9,11 +16,22 @@ from ..sampling import SamplingParams, sample, warp
 from . import NO_DRAFT, Draft, Round
 
 
+class ModelWant(NamedTuple):
+    """A draft the model is to make (`draft_many` makes several in lockstep)."""
+    drafter: "ModelDrafter"
+    tokens: list
+    n: int
+    params: SamplingParams
+    rng: np.random.Generator
+    guide: object = None
+
+
 class ModelDrafter:
     name = "model"
 
     def __init__(self, backend, n_vocab: int, gamma: int = 4):
         # n_vocab: the width of the target's rows; q is zero beyond the draft's own vocabulary.
+        # backend: a LlamaBackend (sequence 0) or one sequence of it (backend.SequenceView)
         self.backend = backend
         self.n_vocab = n_vocab
         self.gamma = gamma
@@ -24,47 +42,21 @@ class ModelDrafter:
         first draft may never come: the prompt is then not evaluated twice."""
         self.backend.keep_prefix(tokens)
 
+    def fork(self, seq: int) -> "ModelDrafter":
+        """A lane of the same draft model for sequence `seq`."""
+        root = getattr(self.backend, "backend", self.backend)
+        return ModelDrafter(root.sequence(seq) if seq else root, self.n_vocab, self.gamma)
+
     def propose(self, tokens, room, params: SamplingParams, rng, guide=None) -> Draft:
         return self.draft(tokens, min(self.gamma, room), params, rng, guide)
+
+    def plan(self, tokens, room, params: SamplingParams, rng, guide=None, share=None):
+        return ModelWant(self, tokens, min(self.gamma, room), params, rng, guide)
 
     def draft(self, tokens, n: int, params: SamplingParams, rng, guide=None) -> Draft:
         """`n` tokens sampled one by one from the draft model (its argmax at T = 0), under the
         constraint's masks when there is one (q is then the masked law, as p will be)."""
-        be = self.backend
-        if n <= 0:
-            return NO_DRAFT
-        # the committed tokens the draft has not seen yet (the last one or two after a round)
-        pending = tokens[be.n_past:]
-        drafts: list[int] = []
-        # at T = 0 the verifier compares argmaxes and needs no q rows
-        q = None if params.greedy else np.zeros((n, self.n_vocab), dtype=np.float32)
-        w = min(be.n_vocab, self.n_vocab)
-        try:
-            for i in range(n):
-                if guide is not None and guide.done:  # the answer is complete: nothing to draft
-                    break
-                feed = pending if i == 0 else [drafts[-1]]
-                logits = be.eval(feed, [len(feed) - 1])[0]
-                if not np.isfinite(logits.max()):
-                    raise DamagedModelError(f"draft model {be.path.name} produced non-finite logits: the file is "
-                                            "damaged; download it again")
-                row = np.full(self.n_vocab, -np.inf, dtype=np.float32)
-                row[:w] = logits[:w]
-                if guide is not None:
-                    row = mask_logits(row, guide.allowed())
-                if q is None:
-                    drafts.append(int(np.argmax(row)))
-                else:
-                    q[i] = warp(row, params)
-                    drafts.append(sample(q[i], rng))
-                if guide is not None:
-                    guide.advance(drafts[-1:])
-        finally:
-            if guide is not None:
-                guide.rollback(len(drafts))
-        if q is not None and len(drafts) < n:
-            q = q[:len(drafts)]
-        return Draft(drafts, q, self.name)
+        return _lockstep([ModelWant(self, tokens, n, params, rng, guide)])[0]
 
     def observe(self, round: Round) -> None:
         # keep the committed prefix the draft has evaluated; the newest token is fed next round
@@ -77,3 +69,94 @@ class ModelDrafter:
 
     def close(self) -> None:
         self.backend.close()
+
+
+class _Lane:
+    """One sequence's draft in progress."""
+
+    def __init__(self, want: ModelWant):
+        d = want.drafter
+        self.be, self.want, self.guide = d.backend, want, want.guide
+        be, tokens = self.be, want.tokens
+        # the draft model holds a prefix of the committed tokens (an interrupted round may have
+        # left drafts or a stale tail in it: cut back to what agrees)
+        held = be.tokens
+        if be.n_past >= len(tokens) or (held and held[-1] != tokens[len(held) - 1]):
+            be.keep_prefix(tokens)
+        # the committed tokens the draft has not seen yet (the last one or two after a round)
+        self.pending = tokens[be.n_past:]
+        self.drafts: list[int] = []
+        # at T = 0 the verifier compares argmaxes and needs no q rows
+        self.q = None if want.params.greedy else np.zeros((want.n, d.n_vocab), dtype=np.float32)
+        self.width = min(be.n_vocab, d.n_vocab)
+
+    @property
+    def open(self) -> bool:
+        return len(self.drafts) < self.want.n and not (self.guide is not None and self.guide.done)
+
+    def feed(self) -> list[int]:
+        return self.pending if not self.drafts else [self.drafts[-1]]
+
+    def take(self, logits: np.ndarray) -> None:
+        be, want, i = self.be, self.want, len(self.drafts)
+        if not np.isfinite(logits.max()):
+            raise DamagedModelError(f"draft model {be.path.name} produced non-finite logits: the file is "
+                                    "damaged; download it again")
+        row = np.full(want.drafter.n_vocab, -np.inf, dtype=np.float32)
+        row[:self.width] = logits[:self.width]
+        if self.guide is not None:
+            row = mask_logits(row, self.guide.allowed())
+        if self.q is None:
+            self.drafts.append(int(np.argmax(row)))
+        else:
+            self.q[i] = warp(row, want.params)
+            self.drafts.append(sample(self.q[i], want.rng))
+        if self.guide is not None:
+            self.guide.advance(self.drafts[-1:])
+
+    def finish(self) -> Draft:
+        if self.guide is not None:
+            self.guide.rollback(len(self.drafts))
+            self.guide = None
+        q = self.q
+        if q is not None and len(self.drafts) < self.want.n:
+            q = q[:len(self.drafts)]
+        return Draft(self.drafts, q, ModelDrafter.name)
+
+
+def draft_many(wants: list[ModelWant]) -> list[Draft]:
+    """The drafts `wants` ask for: a ModelDrafter's lanes in lockstep, any other model drafter
+    (a stand-in of the tests, a benchmark's) by its own `draft`."""
+    out: list = [None] * len(wants)
+    mine = [i for i, w in enumerate(wants) if isinstance(w.drafter, ModelDrafter)]
+    for i, w in enumerate(wants):
+        if i not in mine:
+            out[i] = w.drafter.draft(w.tokens, w.n, w.params, w.rng, w.guide)
+    for i, d in zip(mine, _lockstep([wants[i] for i in mine]) if mine else []):
+        out[i] = d
+    return out
+
+
+def _lockstep(wants: list[ModelWant]) -> list[Draft]:
+    """One draft-model step of every open lane per llama_decode (lanes of one draft model; a
+    lane alone is the plain step-by-step draft)."""
+    lanes = [_Lane(w) if w.n > 0 else None for w in wants]
+    try:
+        while True:
+            open_ = [lane for lane in lanes if lane is not None and lane.open]
+            if not open_:
+                break
+            if len(open_) == 1:
+                lane = open_[0]
+                feed = lane.feed()
+                rows = [lane.be.eval(feed, [len(feed) - 1])]
+            else:
+                root = getattr(open_[0].be, "backend", open_[0].be)
+                parts = [(getattr(lane.be, "seq", 0), lane.feed(), [len(lane.feed()) - 1]) for lane in open_]
+                rows = root.eval_batch(parts)
+            for lane, got in zip(open_, rows):
+                lane.take(got[0])
+    finally:
+        drafts = [lane.finish() if lane is not None else NO_DRAFT for lane in lanes]
+    return drafts
+

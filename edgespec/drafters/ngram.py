@@ -85,6 +85,7 @@ class NgramDrafter:
     def __init__(self, gamma: int = 4, n_min: int = N_MIN, n_max: int = N_MAX):
         self.gamma = gamma
         self.index = NgramIndex(n_min, n_max)
+        self._args = (gamma, n_min, n_max)
         self.last: tuple[int, int, list[int]] | None = None  # (context length, run, proposal)
 
     def begin(self, tokens: list[int]) -> None:
@@ -120,6 +121,10 @@ class NgramDrafter:
 
     def observe(self, round: Round) -> None:
         pass
+
+    def fork(self, seq: int) -> "NgramDrafter":
+        """A drafter like this one for another sequence (its own index)."""
+        return NgramDrafter(*self._args)
 
     def close(self) -> None:
         pass

@@ -2,10 +2,11 @@
 
 The app owns a Scheduler (worker.py). Loading starts in the lifespan, on the engine thread, so
 the server answers (/health: 503) while the model loads; generation requests get 503 until it
-is ready. Each generation request becomes a Job; the handler waits for the job to start (so a
-request that the engine refuses still gets a plain 400 rather than a broken stream), then
-either collects the answer or streams it as server-sent events. A client that disconnects,
-whether it waits in the queue or is being answered, cancels its job at once.
+is ready. Each generation request becomes a Job; up to the engine's `parallel` jobs generate at
+once, each on its own thread. The handler waits for the job to start (so a request that the
+engine refuses still gets a plain 400 rather than a broken stream), then either collects the
+answer or streams it as server-sent events. A client that disconnects, whether it waits in the
+queue or is being answered, cancels its job at once.
 """
 from __future__ import annotations
 
@@ -144,8 +145,8 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         status = {"loading": "loading", "ready": "ok"}.get(s.state, s.state)
         body = {"status": status}
         if key_ok(request):  # with a key, what runs here is for those who hold it; readiness for all
-            body.update(model=model_id, running=s.running, waiting=s.waiting, served=s.served,
-                        cancelled=s.cancelled)
+            body.update(model=model_id, parallel=s.parallel, running=s.running, waiting=s.waiting,
+                        served=s.served, cancelled=s.cancelled)
         return JSONResponse(body, status_code=200 if s.state == "ready" else 503)
 
     async def authorized(request: Request) -> None:
@@ -294,7 +295,8 @@ async def _answer(s: worker.Scheduler, request: Request, env: Envelope, body, op
     try:
         job = s.submit(opener)
     except worker.QueueFull:
-        raise ApiError(503, f"the server is busy ({s.queue_size} requests already wait): retry later",
+        raise ApiError(503, f"the server is busy ({s.parallel} requests generate, {s.queue_size} wait): "
+                       "retry later",
                        code="queue_full", headers={"Retry-After": "1"}) from None
     try:
         kind, value = await _unless_gone(request, job, job.next())

@@ -23,8 +23,9 @@ API_KEY_ENV = "EDGESPEC_API_KEY"
 
 DESCRIPTION = ("Serve one model pair over an OpenAI-compatible HTTP API (/health, /v1/models, "
                "/v1/chat/completions, /v1/completions, streamed or not) for desktop apps and scripts. "
-               "Requests are answered one at a time, in arrival order; a conversation's next turn reuses "
-               "the KV cache of the prefix it shares with the previous request.")
+               "Up to --parallel requests are answered at once, batched together; more wait in arrival "
+               "order. A conversation's next turn reuses the KV cache of the prefix it shares with an "
+               "earlier request.")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,6 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..assemble import PARALLEL_FLAGS
     from ..frontend import _add_model_args
     _add_model_args(p)
     p.add_argument("--host", default=DEFAULT_HOST, metavar="ADDR",
@@ -60,8 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-overflow", choices=("error", "drop-oldest"), default="error",
                    help="a conversation longer than the context: 400 context_length_exceeded (default), or "
                    "drop-oldest: keep the system message and drop the oldest turns until it fits")
+    for flags, kw in PARALLEL_FLAGS.items():  # --parallel N, -np N: as `plan` takes it
+        p.add_argument(*flags, **kw)
     p.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE, metavar="N",
-                   help=f"requests that may wait while one is answered; beyond that, 503 (default {DEFAULT_QUEUE})")
+                   help="requests that may wait while --parallel ones are answered; beyond that, 503 "
+                   f"(default {DEFAULT_QUEUE})")
 
 
 def is_loopback(host: str) -> bool:
@@ -126,7 +131,8 @@ def _stopped(signum, frame):
 def cmd_serve(args) -> int:
     from ..frontend import ProgressBar, notice, settings_from_args
     # every flag checked before anything binds
-    settings = settings_from_args(args, cache_ram=args.cache_ram, cache_dir=args.cache_dir)
+    settings = settings_from_args(args, cache_ram=args.cache_ram, cache_dir=args.cache_dir,
+                                  parallel=args.parallel)  # None: as many as the memory plan allows
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.queue_size < 0:
@@ -168,7 +174,9 @@ def cmd_serve(args) -> int:
     server = None
 
     def on_ready():
-        notice(f"ready: {name} at http://{shown}:{port}/v1")
+        n = app.state.scheduler.parallel
+        notice(f"ready: {name} at http://{shown}:{port}/v1 ({n} request{'s' if n != 1 else ''} at once, "
+               f"{args.queue_size} may wait)")
 
     def on_load_error(exc):
         failed.append(exc)

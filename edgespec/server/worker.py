@@ -1,10 +1,14 @@
-"""The engine thread and the request queue.
+"""The threads that load, run and close the engine, and the request queue.
 
 llama.cpp calls block for milliseconds to seconds and hold the GIL only in between, so they never
-run on the event loop: one dedicated thread loads the engine, runs every generation in arrival
-order and finally closes it. One thread rather than a pool because the engine serves one
-generation at a time anyway, and because a queued request that is cancelled must leave the queue
-without ever touching the engine — a pool thread blocked inside `Engine.stream()` could not.
+run on the event loop. One thread loads the engine and, at the very end, closes it. In between, a
+fixed pool of `engine.parallel` generation threads takes jobs from one FIFO in arrival order,
+each thread running one generation at a time: a Stream is iterated by the thread that opened it,
+and the engine batches the rounds of the streams that run at once. Exactly `parallel` threads,
+never more: the engine's `stream_prompt` blocks while all its sequences are busy, and a request
+cancelled while it waits must leave the queue without ever touching the engine. A waiting job is
+a Future in the FIFO; cancelling it is enough (the thread that reaches it skips it), whereas a
+thread blocked inside `stream_prompt` could not be called back.
 """
 from __future__ import annotations
 
@@ -18,16 +22,19 @@ from typing import Any, Callable, Optional
 log = logging.getLogger("edgespec.server")
 
 
-class EngineThread:
-    """Runs submitted callables one after the other on a single thread."""
+class Threads:
+    """`n` threads running submitted callables, each taken in submission order by the first
+    thread that is free."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int, name: str) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        # daemon: a model still downloading or loading when the server is stopped must not keep
-        # the process alive (nothing is written by the thread that an abrupt end could corrupt:
-        # hub downloads land in a temporary file first)
-        self._thread = threading.Thread(target=self._main, name="edgespec-engine", daemon=True)
-        self._thread.start()
+        # daemons: a model still downloading or loading when the server is stopped must not keep
+        # the process alive (nothing is written by these threads that an abrupt end could
+        # corrupt: hub downloads land in a temporary file first)
+        self._threads = [threading.Thread(target=self._main, name=name if n == 1 else f"{name}-{i}", daemon=True)
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
 
     def submit(self, fn: Callable[..., Any], *args) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -35,8 +42,14 @@ class EngineThread:
         return fut
 
     def stop(self) -> None:
-        """Finish what was submitted, then end the thread."""
-        self._inbox.put(None)
+        """Finish what was submitted (skipping what was cancelled), then end the threads."""
+        for _ in self._threads:
+            self._inbox.put(None)
+
+    def join(self) -> None:
+        """Wait for the threads to end (after stop())."""
+        for t in self._threads:
+            t.join()
 
     def _main(self) -> None:
         while True:
@@ -66,8 +79,8 @@ START, TEXT, END, ERROR, CANCELLED = "start", "text", "end", "error", "cancelled
 
 
 class Job:
-    """One request's generation. `opener(engine)` returns the engine's Stream; it runs on the
-    engine thread and its events come back to the event loop through an asyncio queue."""
+    """One request's generation. `opener(engine)` returns the engine's Stream; it runs on a
+    generation thread and its events come back to the event loop through an asyncio queue."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, opener: Callable[[Any], Any]):
         self._loop = loop
@@ -105,7 +118,7 @@ class Job:
         if self.future is not None and self.future.cancel():
             self._events.put_nowait((CANCELLED, None))
 
-    # -- engine thread side -----------------------------------------------------------------
+    # -- generation thread side ---------------------------------------------------------------
     def run(self, engine) -> None:
         if self._cancel.is_set():  # the client left while this waited
             self._emit(CANCELLED, None)
@@ -143,18 +156,20 @@ class Job:
 
 
 class Scheduler:
-    """Admission and order: one request generates, up to `queue_size` wait in arrival order,
-    further ones are refused (QueueFull) rather than left to time out. Event-loop side only,
-    except for the work it hands to the engine thread."""
+    """Admission and order: up to `parallel` requests generate at once (the engine's number of
+    sequences, known once it has loaded), up to `queue_size` more wait in arrival order, further
+    ones are refused (QueueFull) rather than left to time out. Event-loop side only, except for
+    the work it hands to its threads."""
 
     def __init__(self, queue_size: int) -> None:
         self.queue_size = queue_size
-        self.thread = EngineThread()
+        self.thread = Threads(1, "edgespec-engine")  # loads the engine, and closes it
         self.engine = None
+        self.parallel: Optional[int] = None  # generations at once, once loaded
+        self._generators: Optional[Threads] = None
         self.state = "loading"          # loading -> ready | failed; ready -> closed
         self.error: Optional[BaseException] = None
-        self._jobs: set[Job] = set()
-        self._running: Optional[Job] = None
+        self._jobs: set[Job] = set()    # admitted and not yet finished: running or waiting
         self.served = 0                 # requests that ran to their end
         self.cancelled = 0              # requests whose client left (queued or running)
 
@@ -164,34 +179,32 @@ class Scheduler:
         except BaseException as exc:
             self.state, self.error = "failed", exc
             raise
+        # an engine without `parallel` serves one generation at a time
+        self.parallel = max(1, int(getattr(self.engine, "parallel", 1)))
+        self._generators = Threads(self.parallel, "edgespec-generate")
         self.state = "ready"
 
     @property
     def running(self) -> int:
-        return 1 if self._running is not None else 0
+        return sum(1 for job in self._jobs if job.future.running())
 
     @property
     def waiting(self) -> int:
-        return len(self._jobs) - self.running
+        return sum(1 for job in self._jobs if not (job.future.running() or job.future.done()))
 
     def submit(self, opener: Callable[[Any], Any]) -> Job:
         if self.state != "ready":
             raise NotReady(self.state)
-        if len(self._jobs) > self.queue_size:  # one running + queue_size waiting
+        # counted on this side, not by the threads: a job that just ended frees its place at once,
+        # and one that is admitted while a thread is free is about to run, not to wait
+        if len(self._jobs) >= self.parallel + self.queue_size:
             raise QueueFull()
         loop = asyncio.get_running_loop()
         job = Job(loop, opener)
         self._jobs.add(job)
-        job.future = self.thread.submit(self._run, job)
+        job.future = self._generators.submit(job.run, self.engine)
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished, job))
         return job
-
-    def _run(self, job: Job) -> None:  # engine thread
-        self._running = job
-        try:
-            job.run(self.engine)
-        finally:
-            self._running = None
 
     def _finished(self, job: Job) -> None:
         self._jobs.discard(job)
@@ -201,13 +214,21 @@ class Scheduler:
             self.served += 1
 
     async def close(self) -> None:
-        """Cancel everything, then close the engine on its thread."""
+        """Cancel everything, wait for the running generations to end (within a round of their
+        cancel), then close the engine on the thread that loaded it."""
+        ready = self.state == "ready"
+        if ready:
+            self.state = "closed"  # nothing more is admitted
         for job in list(self._jobs):
             job.cancel()
-        if self.engine is not None and self.state == "ready":
-            self.state = "closed"
+        if ready:
+            self._generators.stop()
             try:
-                await asyncio.wrap_future(self.thread.submit(self.engine.close))
+                await asyncio.wrap_future(self.thread.submit(self._close_engine))
             except Exception:
                 log.exception("closing the engine failed")
         self.thread.stop()
+
+    def _close_engine(self) -> None:  # the loading thread
+        self._generators.join()
+        self.engine.close()

@@ -1,0 +1,308 @@
+"""The speculative round, over every running generation at once.
+
+`start` puts a generation's prompt in its sequence. `step` runs one round for all of them:
+each drafts (its lane's copy or n-gram proposal, or the draft model: those steps batched
+across the sequences that want it), the target verifies every sequence's drafts in one pass,
+each accepts by the exact rule (sampling.verify), its KV caches are cut back to what it
+committed, and the committed tokens go to its queue. Under a constraint a round drafts the
+tokens the grammar forces first, verifies on masked rows, and does not ask llama.cpp for
+rows a mask decides alone. With one generation this is the plain speculative loop.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Optional
+
+import numpy as np
+
+from .constraints import mask_logits
+from .drafters import NO_DRAFT, Draft, Round
+from .drafters.model import ModelWant, draft_many
+from .errors import BackendError, ConstraintError, DamagedModelError
+from .generation import Generation
+from .sampling import verify, verify_greedy, warp
+
+
+def start(gen: Generation, target, sequences, lanes, busy: set) -> None:
+    """Prefill: the prompt into the generation's sequence (a free one claimed from
+    `sequences`, not in `busy`, its prefix kept, copied or restored), its last row kept for the
+    first round; `lanes(seq)` is the drafter for that sequence."""
+    t0 = time.perf_counter()
+    gen.seq, restored = sequences.claim(gen.tokens, busy)
+    gen.started = True
+    lane = lanes(gen.seq)
+    gen.n_ctx = target.n_ctx
+    gen.carry, kept = sequences.prefill(gen.seq, gen.tokens)
+    st = gen.stats
+    st.reused_prompt_tokens = kept
+    st.restored_prompt_tokens = kept if restored else 0
+    st.target_forwards += 1
+    gen.drafter = lane
+    if lane is not None:
+        lane.begin(list(gen.tokens))
+    if gen.guide is not None:  # what the grammar drafts ahead: decided once a generation
+        from .policy import drafts_likely
+        gen.ahead = gen.guide.likely if drafts_likely(getattr(lane, "policy", None)) else gen.guide.forced
+    gen.t1 = time.perf_counter()
+    st.prompt_seconds = gen.t1 - t0
+
+
+def step(target, gens: list[Generation], width: int) -> None:
+    """One round for every started, unfinished generation in `gens`; `width` is the row width
+    of the laws (the larger vocabulary of target and draft). A failure of one generation ends
+    it alone (its stream raises it); a failed pass or draft ends every generation in it."""
+    live = [g for g in gens if _goes_on(g, target)]
+    if not live:
+        return
+    td = time.perf_counter()
+    try:
+        plans = _drafts(target, live)
+        tv = time.perf_counter()
+        feeds = [_feed(g, target, draft.tokens, masks) for g, (draft, _, _, masks) in zip(live, plans)]
+        parts = [part for part, _ in feeds if part is not None]
+        got = iter(target.eval_batch(parts) if parts else [])
+    except Exception as exc:
+        for g in live:
+            g.error, g.finished = exc, True
+        return
+    te = time.perf_counter()
+    alone = len(live) == 1
+    rows_all, fed_all = sum(len(r) for _, _, r in parts), sum(len(t) for _, t, _ in parts)
+    wants = sum(1 for _, inner, _, _ in plans if inner.source == "model")
+    timed = alone  # a shared pass is learnt from once, with all its rows
+    for g, (draft, inner, n_forced, masks), (part, ask) in zip(live, plans, feeds):
+        fed = len(part[1]) if part is not None else 0
+        mine = alone or (part is not None and not timed)
+        timed = timed or mine
+        rows, fed = (len(ask), fed) if alone or not mine else (rows_all, fed_all)
+        info = Round([], inner, 0, rows, te - tv, tv - td, fed, timed_pass=mine, timed_draft=wants <= 1)
+        try:
+            logits = _laws(g, target, draft.tokens, next(got) if part is not None else None, ask, masks)
+            if ask:
+                g.stats.target_forwards += 1
+                _check_finite(target, logits)
+            _commit(g, target, draft, inner, n_forced, logits, masks, width, info)
+        except Exception as exc:  # this generation's failure (a dead-end constraint), not the others'
+            g.error, g.finished = exc, True
+
+
+def _limit(g: Generation) -> Optional[str]:
+    """The finish reason when the answer or the context is full, else None."""
+    st = g.stats
+    if st.generated < g.request.max_tokens and len(g.tokens) < g.n_ctx:
+        return None
+    if g.guide is not None and g.guide.done and g.emitted_all:  # complete at exactly max_tokens
+        return "stop"
+    return "length" if st.generated >= g.request.max_tokens else "context"
+
+
+def _goes_on(g: Generation, target) -> bool:
+    """Whether the generation runs another round; if not, it is finished with its reason."""
+    if g.finished:
+        return False
+    reason = _limit(g)
+    if reason is None and g.cancel.is_set():
+        reason = "cancelled"
+    elif reason is None and g.guide is not None and g.guide.done:  # only end-of-generation could follow
+        reason = "stop"
+    if reason is not None:
+        finish(g, reason)
+        return False
+    held = target.held(g.seq)  # an interrupted round may have left its drafts in the cache
+    if len(held) > len(g.tokens) and not target.truncate(len(g.tokens), g.seq):
+        raise BackendError("the target's KV cache could not be cut back")
+    return True
+
+
+def finish(g: Generation, reason: Optional[str], force: bool = False) -> None:
+    """The generation ends (`reason` None: its stream was closed, no reason given)."""
+    if force and reason is not None:
+        g.stats.finish_reason = reason
+    if not g.finished:
+        if reason is not None:
+            g.stats.finish_reason = reason
+        g.finished = True
+        g.stats.decode_seconds = time.perf_counter() - g.t1
+        describe = getattr(g.drafter, "describe_costs", None)
+        if describe is not None:
+            g.stats.costs = describe()
+
+
+def _drafts(target, live: list[Generation]):
+    """Every generation's draft: (the whole draft, the drafter's part, how many tokens the
+    constraint forced, the masks), the draft model's steps batched across the generations."""
+    n = len(live)
+    mandatory = [len(g.tokens) - len(target.held(g.seq)) for g in live]  # tokens the pass feeds anyway
+    extra = 0  # drafts the generations before this one added to the pass
+    staged = []
+    try:
+        for i, g in enumerate(live):
+            forced, inner = _plan(g, (sum(mandatory) - mandatory[i] + extra, n - 1 + extra, n))
+            staged.append([g, forced, inner])
+            extra += len(forced) + (inner.n if isinstance(inner, ModelWant) else len(inner.tokens))
+        wants = [s for s in staged if isinstance(s[2], ModelWant)]
+        for s, d in zip(wants, draft_many([s[2] for s in wants]) if wants else []):
+            s[2] = d
+    finally:
+        for s in staged:  # the grammar back where the round found it
+            if s[1]:
+                s[0].guide.rollback(len(s[1]))
+    out = []
+    for g, forced, inner in staged:
+        if isinstance(inner, ModelWant):  # the batch failed before drafting it
+            inner = NO_DRAFT
+        out.append(_combine(g, forced, inner))
+    return out
+
+
+def _plan(g: Generation, share) -> tuple[list[int], object]:
+    """The tokens the constraint forces from here (point masses, source "grammar": verified like
+    any draft, since the law may still prefer another tokenization of the same bytes), left
+    advanced in the guide, and the drafter's plan after them (a Draft or a ModelWant)."""
+    guide, lane, room = g.guide, g.drafter, g.room
+    forced: list[int] = []
+    if guide is not None and room > 0 and lane is not None:  # no drafter: plain decoding
+        forced = (g.ahead or guide.forced)()[:room]
+        guide.advance(forced)
+    left = room - len(forced)
+    if lane is None or left <= 0:
+        return forced, NO_DRAFT
+    params = g.request.params
+    plan = getattr(lane, "plan", None)
+    if plan is not None:
+        return forced, plan(g.tokens + forced, left, params, g.rng, guide, share=share)
+    return forced, lane.propose(g.tokens + forced, left, params, g.rng, guide)
+
+
+def _combine(g: Generation, forced: list[int], inner: Draft):
+    """The whole draft: the forced tokens' point masses, then the drafter's part cut at its
+    first token the constraint forbids."""
+    guide = g.guide
+    if guide is not None and inner.tokens:
+        guide.advance(forced)
+        try:
+            k = guide.legal_prefix(inner.tokens)
+        finally:
+            guide.rollback(len(forced))
+        if k < len(inner.tokens):
+            inner = Draft(inner.tokens[:k], None if inner.q is None else inner.q[:k], inner.source)
+    draft = inner
+    if forced:
+        q = None
+        if inner.q is not None:  # the forced tokens' rows are point masses
+            q = np.zeros((len(forced) + len(inner.tokens), inner.q.shape[1]), dtype=np.float32)
+            q[np.arange(len(forced)), forced] = 1.0
+            q[len(forced):] = inner.q
+        draft = Draft(forced + inner.tokens, q, "grammar")
+    masks = guide.masks(draft.tokens) if guide is not None else None
+    return draft, inner, len(forced), masks
+
+
+def _feed(g: Generation, target, drafts: list[int], masks):
+    """This generation's part of the pass, (seq, tokens, rows) or None, and the rows asked
+    (indices into its k + 1 laws). Row i is the target's law for drafts[i], the last the bonus
+    token's; a row a mask leaves one token in is not asked (nor is a part without open rows
+    fed: its tokens stay pending for the next round)."""
+    k = len(drafts)
+    open_rows = list(range(k + 1)) if masks is None else [i for i in range(k + 1) if masks[i].sum() > 1]
+    if g.carry is not None:  # first round: the last prompt row is already computed (row 0)
+        ask = [i for i in open_rows if i > 0]
+        return ((g.seq, drafts, [i - 1 for i in ask]) if ask else None), ask
+    if not open_rows:
+        return None, []
+    pending = g.tokens[len(target.held(g.seq)):]
+    return (g.seq, pending + drafts, [len(pending) - 1 + i for i in open_rows]), open_rows
+
+
+def _laws(g: Generation, target, drafts, got, ask, masks) -> np.ndarray:
+    """The k + 1 rows of logits: the pass's rows, the prompt's row in the first round, and a
+    point mass on its one legal token for a row the mask decides."""
+    width = target.n_vocab
+    logits = np.empty((len(drafts) + 1, width), dtype=np.float32)
+    if g.carry is not None:
+        logits[0] = g.carry[0]
+    for j, i in enumerate(ask):
+        logits[i] = got[j]
+    if masks is not None:
+        done = set(ask) | ({0} if g.carry is not None else set())
+        for i in range(len(drafts) + 1):
+            if i not in done:
+                logits[i] = np.where(masks[i][:width], 0.0, -np.inf)
+    return logits
+
+
+def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, logits, masks, width: int,
+            info: Round) -> None:
+    """Accept by the exact rule, cut the KV cache back, and queue what was committed."""
+    params, st, guide = g.request.params, g.stats, g.guide
+    drafts = draft.tokens
+    if params.greedy:
+        n, y = verify_greedy(drafts, logits if masks is None else mask_logits(logits, masks))
+    else:
+        n, y = verify(drafts, _target_law(logits, masks, params, width), draft.q, g.rng)
+    g.carry = None
+    new = drafts[:n] + [y]
+    if not target.truncate(min(len(target.held(g.seq)), len(g.tokens) + n), g.seq):
+        raise BackendError("the target's KV cache could not be cut back")
+    g.tokens.extend(new)
+    if guide is not None:
+        guide.advance([t for t in new if not target.is_eog(t)])
+    count(st, draft, n, n_forced, inner.source)
+    if g.drafter is not None:
+        g.drafter.observe(replace(info, tokens=g.tokens, accepted=max(0, n - n_forced)))
+    for i, tok in enumerate(new):
+        if target.is_eog(tok):
+            if guide is not None and not guide.accepting:  # the grammar left nothing else
+                raise ConstraintError(f"the {g.request.constraint.describe()} cannot be "
+                                      "completed from here: it admits no continuation of this answer")
+            finish(g, "stop" if guide is not None else "eos")
+            return
+        st.generated += 1
+        st.decode_seconds = time.perf_counter() - g.t1
+        g.out.append((tok, i < n))
+        if st.generated >= g.request.max_tokens:
+            g.emitted_all = i == len(new) - 1
+            break
+    reason = _limit(g)
+    if reason is not None:
+        finish(g, reason)
+
+
+def _target_law(logits: np.ndarray, masks, params, width: int) -> np.ndarray:
+    """p: each row's logits with the forbidden tokens at -inf first, then the filters and the
+    temperature (`warp`), as the constrained target would sample."""
+    if logits.shape[1] != width:
+        rows = np.full((logits.shape[0], width), -np.inf, dtype=np.float32)
+        rows[:, :logits.shape[1]] = logits[:, :width]
+    else:
+        rows = logits
+    return warp(rows if masks is None else mask_logits(rows, masks), params)
+
+
+def _check_finite(target, logits: np.ndarray) -> None:
+    if len(logits) and not np.isfinite(logits.max(axis=1)).all():
+        raise DamagedModelError(f"{target.path.name} produced non-finite logits (NaN): the file is damaged; "
+                                "download it again")
+
+
+def count(stats, draft: Draft, n: int, n_forced: int = 0, source: str = "") -> None:
+    """One round in the stats; a constrained draft counts its forced part (source "grammar")
+    apart from the drafter's."""
+    stats.rounds += 1
+    drafts = draft.tokens
+    if drafts:
+        stats.drafted += len(drafts)
+        stats.accepted += n
+        stats.forced += min(n, n_forced)
+        if len(stats.accept_histogram) <= len(drafts):
+            stats.accept_histogram.extend([0] * (len(drafts) + 1 - len(stats.accept_histogram)))
+        stats.accept_histogram[n] += 1
+    parts = [(draft.source if drafts else "none", len(drafts), n)] if not n_forced else \
+        [("grammar", n_forced, min(n, n_forced))] + \
+        ([(source, len(drafts) - n_forced, max(0, n - n_forced))] if len(drafts) > n_forced else [])
+    for name, k, acc in parts:
+        d = stats.by_drafter.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})
+        d["rounds"] += 1
+        d["drafted"] += k
+        d["accepted"] += acc

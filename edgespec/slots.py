@@ -1,0 +1,178 @@
+"""The live sequences: which conversation each sequence of the KV caches holds, and where a new
+prompt's prefix comes from.
+
+The target (and the draft model) hold `n` sequences in one context. A prompt starts on a free
+sequence, the one whose tokens it continues best (else an empty one, else the one unused the
+longest). Its prefix then comes from the cheapest place that has it: that sequence itself,
+another sequence (a shared system prompt or tool definitions: llama_memory_seq_cp copies the
+cells, nothing is evaluated again), or the prompt cache (promptcache.py: a saved
+conversation, restored byte for byte). A conversation about to be thrown away is saved to
+the prompt cache first. With one sequence this is the one live slot and its prompt cache.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .errors import BackendError
+from .promptcache import MIN_TOKENS, Slot, common_prefix
+
+log = logging.getLogger("edgespec")
+# A prefix is copied from another sequence when it holds at least this many more tokens:
+# llama.cpp copies the whole stream of cells (Qwen 1.5B at 4096 tokens: 112 MiB, tens of ms),
+# about what a prefill of a dozen tokens costs on a CPU.
+MIN_COPY = 16
+
+
+class Sequences:
+    def __init__(self, target, draft=None, cache=None, n: int = 1):
+        """`target`, `draft`: backends (the draft model's, or None); `cache`: a
+        promptcache.PromptCache or None; `n`: the sequences both hold."""
+        self.target, self.draft, self.cache, self.n = target, draft, cache, n
+        # per sequence, the last prompt's logits row: an exact repeat of the prompt reuses it,
+        # so it takes the same path as the first time (its last token evaluated again, alone,
+        # would round differently)
+        self.prompt_row: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+        self._used: dict[int, int] = {}
+        self._tick = 0
+
+    @property
+    def caching(self) -> bool:
+        cache = self.cache
+        return cache is not None and (cache.capacity > 0 or cache.disk is not None) and \
+            hasattr(self.target, "save_state")
+
+    def claim(self, tokens: list[int], busy=()) -> tuple[int, bool]:
+        """A sequence not in `busy` for a prompt, its KV prepared (the prefix kept, copied or
+        restored); returns (the sequence, whether a saved conversation was restored into it)."""
+        head = tokens[:-1]  # the last prompt token is always evaluated (its row is needed)
+        held = self.target.held
+        free = [s for s in range(self.n) if s not in busy]
+        if not free:
+            raise RuntimeError("no free sequence: the engine admitted more generations than it has sequences")
+        seq = max(free, key=lambda s: (common_prefix(held(s), head), not held(s), -self._used.get(s, -1)))
+        self._tick += 1
+        self._used[seq] = self._tick
+        return seq, self._prepare(seq, head)
+
+    def _prepare(self, seq: int, head: list[int]) -> bool:
+        target, cache = self.target, self.cache
+        live = common_prefix(target.held(seq), head)
+        donor, shared = None, live
+        for s in range(self.n):  # another sequence holding more of the prompt
+            n = common_prefix(target.held(s), head) if s != seq else 0
+            if n > shared:
+                donor, shared = s, n
+        slot, saved = (None, 0)
+        if self.caching:
+            slot, saved = cache.best(head)
+            if cache.disk is not None:
+                path, on_disk = cache.disk.best(head)
+                if on_disk > max(saved, shared):
+                    loaded = cache.disk.load(path)  # None when damaged or foreign: refused, not loaded
+                    if loaded is not None:
+                        slot, saved = loaded, on_disk
+                        slot.path = path
+        if donor is not None and shared - live < MIN_COPY:
+            donor, shared = None, live
+        restore = slot is not None and saved > shared
+        if restore:
+            cache.take(slot)  # before saving the live slot could evict it
+        n_past = len(target.held(seq))
+        if self.caching and (n_past - live >= MIN_TOKENS or ((restore or donor is not None) and n_past >= MIN_TOKENS)):
+            self.stash(seq)
+        if restore:
+            try:
+                self._load(seq, slot)
+                return True
+            except BackendError:
+                if getattr(slot, "path", None) is None:
+                    raise
+                cache.disk._refuse(slot.path)  # llama.cpp would not take it: never again
+                target.reset(seq)
+                return False
+        if donor is not None:
+            target.copy_prefix(donor, seq, shared)
+            if donor in self.prompt_row:
+                self.prompt_row[seq] = self.prompt_row[donor]
+            d = self.draft
+            if d is not None:
+                n = common_prefix(d.held(donor), head)
+                if n > common_prefix(d.held(seq), head):
+                    d.copy_prefix(donor, seq, n)
+        return False
+
+    def prefill(self, seq: int, tokens: list[int]) -> tuple[np.ndarray, int]:
+        """Put the prompt in sequence `seq`; return its last row of logits and how many prompt
+        positions were already there."""
+        target = self.target
+        saved = self.prompt_row.get(seq)
+        held = target.held(seq)
+        if (saved is not None and saved[0] == tuple(tokens) and len(held) >= len(tokens)
+                and held[:len(tokens)] == tokens and target.truncate(len(tokens), seq)):
+            return saved[1], len(tokens)
+        self.prompt_row.pop(seq, None)
+        # the whole rest of the prompt in one batch, as plain llama.cpp decoding does (a
+        # token's KV depends, in its last bits, on the batch it was computed in)
+        kept = target.keep_prefix(tokens, seq)
+        row = target.eval(tokens[kept:], [len(tokens) - kept - 1], seq)
+        if len(row) and not np.isfinite(row.max(axis=1)).all():
+            from .errors import DamagedModelError
+            raise DamagedModelError(f"{target.path.name} produced non-finite logits (NaN): the file is damaged; "
+                                    "download it again")
+        self.prompt_row[seq] = (tuple(tokens), row)
+        return row, kept
+
+    # -- the prompt cache -----------------------------------------------------------------
+    def stash(self, seq: int) -> None:
+        """Save sequence `seq`'s conversation to the prompt cache (and its disk)."""
+        slot = self.save(seq)
+        self.cache.put(slot)
+        if self.cache.disk is not None:
+            try:
+                self.cache.disk.put(slot)
+            except OSError as exc:  # a full disk costs the restart's prefill, not this request
+                log.warning("prompt cache: could not write to %s: %s", self.cache.disk.dir, exc)
+
+    def save(self, seq: int) -> Slot:
+        toks, data = self.target.save_state(seq)
+        d = self.draft
+        # auto's draft model may hold another conversation (it catches up only when it drafts)
+        dstate = (d.save_state(seq) if d is not None
+                  and common_prefix(d.held(seq), toks) >= min(MIN_TOKENS, len(d.held(seq))) > 0 else None)
+        return Slot(toks, data, dstate, self.prompt_row.get(seq))
+
+    def _load(self, seq: int, slot: Slot) -> None:
+        self.target.load_state(slot.tokens, slot.target, seq)
+        d = self.draft
+        if d is not None:
+            try:
+                if slot.draft is not None:
+                    d.load_state(*slot.draft, seq)
+                else:
+                    d.reset(seq)
+            except BackendError:  # a saved draft state of another draft model: it catches up instead
+                d.reset(seq)
+        if slot.prompt_row is not None:
+            self.prompt_row[seq] = slot.prompt_row
+        else:
+            self.prompt_row.pop(seq, None)
+
+    def save_for_restart(self) -> None:
+        """At close: every conversation the sequences hold, to the prompt cache's disk."""
+        cache = self.cache
+        if cache is None or cache.disk is None or not hasattr(self.target, "save_state"):
+            return
+        for seq in range(self.n):
+            if len(self.target.held(seq)) >= 32:
+                try:
+                    cache.disk.put(self.save(seq))
+                except Exception as exc:
+                    log.warning("prompt cache: could not save a conversation: %s", exc)
+
+    def reset(self) -> None:
+        self.target.reset()
+        self.prompt_row.clear()
+        if self.cache is not None:
+            self.cache.clear()

@@ -1,0 +1,293 @@
+"""Several generations on one engine (parallel > 1), on the numpy fake backend.
+
+Exactness per sequence: two generations advanced in the same rounds (one verifying pass for
+both, the draft model's steps batched) are enumerated over every random draw, both drawing
+from one enumerating rng so that their draws interleave as the rounds make them: the joint law
+of the two answers must be the product of the target's own laws for each prompt, up to float32
+rounding. At T = 0 each answer equals its answer alone, token for token (no kernel rounding in
+the fake). Then the bookkeeping: shared prefixes copied between sequences, cancel, the context
+limit, a constraint per sequence, admission beyond `parallel`, threads and close().
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import edgespec.engine as engine_mod
+from edgespec.drafters.auto import AutoDrafter
+from edgespec.drafters.copy import CopyDrafter
+from edgespec.drafters.model import ModelDrafter
+from edgespec.engine import Engine
+from edgespec.errors import UsageError
+from edgespec.policy import Costs, Policy
+from edgespec.sampling import SamplingParams, warp
+
+from fakes import FakeBackend
+from test_verify_exact import enumerate_paths, law, max_diff
+
+V = 3
+M = 2
+PARAMS = SamplingParams(1.0)
+TOL = 1e-6
+
+
+def _tables(seed: int = 3):
+    rng = np.random.default_rng(seed)
+    p = rng.normal(0, 1.5, (V, V)).astype(np.float32)
+    q = (p + rng.normal(0, 1.5, (V, V))).astype(np.float32)
+    q[:, 2] = -np.inf  # the draft never proposes 2: the residual must supply it
+    return p, q
+
+
+def single_law(p, prompt) -> dict:
+    P = warp(p, PARAMS).astype(np.float64)
+    out = {}
+    for seq in itertools.product(range(V), repeat=M):
+        prob, prev = 1.0, prompt[-1]
+        for x in seq:
+            prob *= P[prev, x]
+            prev = x
+        out[seq] = prob
+    return out
+
+
+def _model_engine(p, q, n=2, gamma=2):
+    target = FakeBackend(p, n_seq=n)
+    return Engine(target, ModelDrafter(FakeBackend(q, n_seq=n, name="draft"), V, gamma), parallel=n)
+
+
+def _auto_engine(p, q, n=2):
+    target = FakeBackend(p, n_seq=n)
+    costs = Costs(tuple(0.01 * (1 + 0.02 * k) for k in range(16)), draft_step=0.001)
+    model = ModelDrafter(FakeBackend(q, n_seq=n, name="draft"), V, 2)
+    return Engine(target, AutoDrafter(Policy(costs), CopyDrafter(), model), parallel=n)
+
+
+def _pair_law(engine, monkeypatch, prompts=((0, 1), (2, 0))):
+    """The enumerated joint law of two generations run side by side."""
+    def run(rng):
+        monkeypatch.setattr(engine_mod, "_rng", lambda seed: rng)
+        engine.reset()
+        a = engine.stream(list(prompts[0]), max_tokens=M, temperature=1.0)
+        b = engine.stream(list(prompts[1]), max_tokens=M, temperature=1.0)
+        for s in itertools.cycle((a, b)):  # both read a token at a time: their rounds are shared
+            if all(x.finish_reason for x in (a, b)):
+                break
+            if not s.finish_reason:
+                next(s, None)
+        return tuple(a.tokens), tuple(b.tokens)
+    return law(enumerate_paths(run))
+
+
+@pytest.mark.parametrize("make", [_model_engine, _auto_engine], ids=["model", "auto"])
+def test_two_sequences_in_one_batch_each_have_the_target_law(make, monkeypatch):
+    p, q = _tables()
+    engine = make(p, q)
+    got = _pair_law(engine, monkeypatch)
+    la, lb = single_law(p, (0, 1)), single_law(p, (2, 0))
+    want = {(x, y): la[x] * lb[y] for x in la for y in lb}
+    assert max_diff(got, want) < TOL
+    # they really shared passes: a verifying pass with both sequences' rows in it
+    assert any(len(parts) == 2 for parts in engine.target.batches)
+    if make is _model_engine:  # and the draft model's steps for both in one batch
+        assert any(len(parts) == 2 for parts in engine._draft_backend().batches)
+
+
+def test_a_wrong_batched_verifier_misses_the_product_law(monkeypatch):
+    """The harness can fail: rows of the two sequences swapped in the verifying pass."""
+    p, q = _tables()
+    engine = _model_engine(p, q)
+    real = engine.target.eval_batch
+
+    def swapped(parts):
+        out = real(parts)
+        if len(out) == 2 and out[0].shape == out[1].shape:
+            out = [out[1], out[0]]
+        return out
+    monkeypatch.setattr(engine.target, "eval_batch", swapped)
+    got = _pair_law(engine, monkeypatch)
+    la, lb = single_law(p, (0, 1)), single_law(p, (2, 0))
+    want = {(x, y): la[x] * lb[y] for x in la for y in lb}
+    assert max_diff(got, want) > 0.01
+
+
+def _greedy_tables(seed):
+    rng = np.random.default_rng(seed)
+    p = rng.normal(0, 1.5, (8, 8)).astype(np.float32)
+    return p, (p + rng.normal(0, 1.0, (8, 8))).astype(np.float32)
+
+
+PROMPTS = [[0, 1, 2], [3, 4], [5, 6, 7, 1], [2, 2, 3]]
+
+
+def test_greedy_answers_in_a_batch_equal_their_answers_alone_from_four_threads():
+    p, q = _greedy_tables(4)
+    alone = [Engine(FakeBackend(p)).generate(pr, max_tokens=40).tokens for pr in PROMPTS]
+    engine = _auto_engine(p, q, n=4)
+    out: dict = {}
+    start = threading.Barrier(4)
+
+    def worker(i):
+        start.wait()
+        out[i] = engine.generate(PROMPTS[i], max_tokens=40).tokens
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [out[i] for i in range(4)] == alone
+    assert max(len(parts) for parts in engine.target.batches) >= 2  # rounds were shared
+
+
+def test_a_prompt_starting_with_another_sequences_tokens_copies_them_instead_of_evaluating():
+    p, q = _greedy_tables(5)
+    engine = _model_engine(p, q, n=2)
+    system = [1, 2, 3, 4, 5, 6, 7, 0] * 6  # a long shared system prompt
+    first = engine.stream(system + [1, 1], max_tokens=30)
+    next(first)  # running on sequence 0
+    engine.target.batches.clear()
+    second = engine.stream(system + [2, 2], max_tokens=5)
+    r = second.result()
+    assert r.stats.reused_prompt_tokens == len(system)
+    # its prompt pass fed only what follows the shared part
+    assert engine.target.batches[0] == [(1, 2, 1)]
+    assert engine.target.held(1)[:len(system)] == system
+    alone = Engine(FakeBackend(p)).generate(system + [2, 2], max_tokens=5).tokens
+    assert r.tokens == alone
+    first.close()
+
+
+def test_cancel_ends_one_sequence_and_the_other_runs_on():
+    p, q = _greedy_tables(6)
+    engine = _model_engine(p, q)
+    a = engine.stream([0, 1], max_tokens=50)
+    b = engine.stream([2, 3], max_tokens=50)
+    next(a), next(b)
+    a.cancel()
+    rest = b.result()
+    a.result()
+    assert a.finish_reason == "cancelled" and len(a.tokens) < 50
+    assert rest.stats.finish_reason == "length" and len(rest.tokens) == 50
+
+
+def test_a_full_context_ends_one_sequence_not_the_other():
+    p, q = _greedy_tables(7)
+    target = FakeBackend(p, n_ctx=24, n_seq=2)
+    engine = Engine(target, ModelDrafter(FakeBackend(q, n_ctx=24, n_seq=2), 8, 3))
+    long_prompt = list(range(8)) * 2 + [1, 2]          # 18 tokens: 6 more fit
+    a = engine.stream(long_prompt, max_tokens=20)
+    b = engine.stream([0, 1], max_tokens=10)
+    ra, rb = None, None
+    for _ in range(40):
+        ra = ra or (None if next(a, None) is not None and a.finish_reason is None else a.result())
+        rb = rb or (None if next(b, None) is not None and b.finish_reason is None else b.result())
+        if ra and rb:
+            break
+    assert ra.stats.finish_reason == "context" and len(ra.tokens) == 24 - 18
+    assert rb.stats.finish_reason == "length" and len(rb.tokens) == 10
+
+
+def test_constraints_are_per_sequence():
+    vocab = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    eos = len(vocab) - 1
+    rng = np.random.default_rng(0)
+    t = rng.normal(0, 1, (len(vocab), len(vocab))).astype(np.float32)
+    target = FakeBackend(t, eos=eos, vocab_bytes=vocab, n_seq=2)
+    engine = Engine(target, ModelDrafter(FakeBackend(t * 0.8, eos=eos, n_seq=2), len(vocab), 3))
+    a = engine.stream([65, 66], max_tokens=8, regex="[0-9]{3}")
+    b = engine.stream([67, 68], max_tokens=8)
+    ta, tb = [], []
+    for s, acc in itertools.cycle(((a, ta), (b, tb))):
+        if a.finish_reason and b.finish_reason:
+            break
+        if not s.finish_reason:
+            ev = next(s, None)
+            if ev is not None and ev.token is not None:
+                acc.append(ev.token)
+    assert len(ta) == 3 and all(48 <= x <= 57 for x in ta) and a.finish_reason == "stop"
+    alone = Engine(FakeBackend(t, eos=eos)).generate([67, 68], max_tokens=8).tokens
+    assert tb == alone
+
+
+def test_more_requests_than_sequences_wait_for_a_free_one():
+    p, q = _greedy_tables(8)
+    engine = _model_engine(p, q, n=2)
+    a = engine.stream([0, 1], max_tokens=5)
+    b = engine.stream([2, 3], max_tokens=5)
+    got = []
+
+    def third():
+        got.append(engine.generate([4, 5], max_tokens=5).tokens)
+    t = threading.Thread(target=third)
+    t.start()
+    time.sleep(0.2)
+    assert not got and t.is_alive()  # waits: both sequences are taken
+    a.result()
+    a.close()
+    t.join(10)
+    assert got and got[0] == Engine(FakeBackend(p)).generate([4, 5], max_tokens=5).tokens
+    b.close()
+
+
+def test_one_thread_may_hold_as_many_streams_as_sequences_then_the_oldest_is_outdated():
+    p, q = _greedy_tables(9)
+    engine = _model_engine(p, q, n=2)
+    a = engine.stream([0, 1], max_tokens=5)
+    b = engine.stream([2, 3], max_tokens=5)
+    c = engine.stream([4, 5], max_tokens=5)
+    with pytest.raises(UsageError, match="outdated"):
+        next(a)
+    assert len(b.result().tokens) == 5 and len(c.result().tokens) == 5
+
+
+def test_close_from_another_thread_while_four_generate():
+    p, q = _greedy_tables(10)
+    engine = _auto_engine(p, q, n=4)
+    errors, started = [], threading.Barrier(5)
+
+    def worker(i):
+        try:
+            s = engine.stream(PROMPTS[i], max_tokens=100_000 // 100)
+            started.wait()
+            for _ in s:
+                pass
+        except Exception as exc:  # closed under it: an EdgespecError, nothing else
+            errors.append(exc)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    started.wait()
+    engine.close()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
+    from edgespec.errors import EdgespecError
+    assert all(isinstance(e, EdgespecError) for e in errors)
+    assert engine.target.closed
+
+
+def test_parallel_beyond_the_sequences_the_models_hold_is_refused():
+    p, q = _greedy_tables(11)
+    with pytest.raises(UsageError, match="parallel must be in 1..2"):
+        Engine(FakeBackend(p, n_seq=2), ModelDrafter(FakeBackend(q, n_seq=2), 8), parallel=3)
+    with pytest.raises(UsageError, match="parallel must be in 1..1"):
+        Engine(FakeBackend(p, n_seq=4), ModelDrafter(FakeBackend(q, n_seq=1), 8), parallel=2)
+
+
+def test_the_policy_prices_a_shared_pass_so_a_cpu_drafts_less_beside_other_sequences():
+    """On a CPU a row costs most of a step (T(k) = T1 (1 + 0.6 (k - 1))): a copy that pays for
+    several drafts alone pays for far fewer in a pass with three other sequences' rows, where a
+    plain token costs T(4)/4; on a GPU (rows nearly free) it pays as much either way."""
+    from edgespec.policy import Offer
+    cpu = Costs(tuple(0.05 * (1 + 0.6 * (k - 1)) for k in range(1, 33)))
+    gpu = Costs(tuple(0.05 * (1 + 0.02 * (k - 1)) for k in range(1, 33)))
+    offer = Offer(16, 8, "aligned")  # an aligned copy sixteen tokens long
+    alone = Policy(cpu).choose(offer, room=8)
+    shared = Policy(cpu).choose(offer, room=8, base=(4, 4), seqs=4)
+    assert alone.drafter == "copy" and alone.gamma >= 2
+    assert shared.gamma <= alone.gamma // 2  # measured: 4 alone, 1 shared
+    assert Policy(gpu).choose(offer, room=8, base=(4, 4), seqs=4).gamma >= alone.gamma

@@ -4,7 +4,8 @@ library and the server all go through `Settings` and `Engine.from_settings` (whi
 `load_parts`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
 
@@ -63,6 +64,28 @@ BUDGET_FLAGS = {
         help="host RAM kept for the prompt cache, the KV caches of prompts and conversations that may come back "
         "(e.g. 512MiB; 0 = off); it is taken out of --memory-budget before the models are fitted. Default: a "
         f"tenth of --memory-budget or of the free RAM, at most {DEFAULT_CACHE_MAX // 2**30} GiB"),
+}
+# the memory modes' flags (llama-server's names), for every verb that loads or plans models
+KV_TYPE_NAMES = ("f16", "q8_0", "q4_0")  # backend.KV_TYPES, without importing llama.cpp
+MEMORY_MODE_FLAGS = {
+    ("--no-repack",): dict(
+        dest="repack", action="store_false", default=True,
+        help="keep no repacked copy of the weights (llama.cpp's CPU_REPACK buffer): the weights' memory once, "
+        "not twice for Q4_0/Q4_K models (about 600 MiB less for Qwen2.5-Coder-1.5B), at some speed "
+        "(docs/memory.md#memory-modes). Default: repacked"),
+    ("--cache-type-k", "-ctk"): dict(
+        metavar="TYPE", default="f16", choices=KV_TYPE_NAMES,
+        help="the target's K cache element type: f16, q8_0 (34/64 of f16's bytes) or q4_0 (18/64); default f16"),
+    ("--cache-type-v", "-ctv"): dict(
+        metavar="TYPE", default="f16", choices=KV_TYPE_NAMES,
+        help="the target's V cache element type, as -ctk; a quantized V needs flash attention (auto becomes on); "
+        "default f16"),
+    ("--cache-type-k-draft", "-ctkd"): dict(
+        metavar="TYPE", default=None, choices=KV_TYPE_NAMES,
+        help="the draft model's K cache element type (default: the target's, -ctk)"),
+    ("--cache-type-v-draft", "-ctvd"): dict(
+        metavar="TYPE", default=None, choices=KV_TYPE_NAMES,
+        help="the draft model's V cache element type (default: the target's, -ctv)"),
 }
 MAX_PARALLEL = 64
 # --parallel, for the verbs that serve several requests at once (serve) and `plan`; run, the chat
@@ -126,9 +149,17 @@ class Settings:
     verbose: bool = False              # llama.cpp's own logs
     flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (docs/memory.md)
     parallel: Optional[int] = None     # sequences generating at once, n_ctx each (None: as many as fit, up to 4)
+    # the memory modes (docs/memory.md#memory-modes), llama-server's names: repacked weight copies,
+    # the KV caches' element types (the draft's None: the target's)
+    repack: bool = True
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    cache_type_k_draft: Optional[str] = None
+    cache_type_v_draft: Optional[str] = None
 
     def validate(self) -> "Settings":
-        """Check every field before anything is downloaded or loaded; returns self."""
+        """Check every field before anything is downloaded or loaded; returns self, or a copy
+        with flash_attn "on" when a quantized V cache needs it and flash_attn is "auto"."""
         check_drafter(self.drafter)
         _check_int("n_ctx (--ctx)", self.n_ctx, 16)
         _check_int("gamma (--gamma)", self.gamma, 1, 32)
@@ -144,6 +175,13 @@ class Settings:
         if self.flash_attn not in FLASH_ATTN:
             raise UsageError(f"flash_attn (--flash-attn) must be one of {', '.join(FLASH_ATTN)}, "
                              f"got {self.flash_attn!r}")
+        if not isinstance(self.repack, bool):
+            raise UsageError(f"repack must be True or False, got {self.repack!r}")
+        for name, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"), ("cache_type_k_draft", "-ctkd"),
+                           ("cache_type_v_draft", "-ctvd")):
+            v = getattr(self, name)
+            if v is not None and v not in KV_TYPE_NAMES:
+                raise UsageError(f"{name} ({flag}) must be one of {', '.join(KV_TYPE_NAMES)}, got {v!r}")
         _check_int("n_gpu_layers", self.n_gpu_layers, -1)
         _check_int("draft_n_gpu_layers", self.draft_n_gpu_layers, -1)
         for name in ("target", "draft", "models_file", "cache_dir"):
@@ -156,7 +194,31 @@ class Settings:
         if self.cache_ram is not None and self.memory_budget is not None and cache >= self.budget_bytes():
             raise UsageError(f"cache_ram (--cache-ram) {self.cache_ram} leaves nothing of memory_budget "
                              f"(--memory-budget) {self.memory_budget} for the models: give the cache less")
+        mode = self.memory_mode()
+        if mode.quantized_v:
+            quant = next(v for v in (mode.type_v, mode.draft_type_v) if v != "f16")
+            if self.flash_attn == "off":
+                flag = "--cache-type-v" if mode.type_v != "f16" else "--cache-type-v-draft"
+                raise UsageError(f"a {quant} V cache ({flag} {quant}) needs flash attention: drop --flash-attn off "
+                                 "(or keep the V cache f16)")
+            if self.flash_attn == "auto":
+                logging.getLogger("edgespec").info("flash attention on, not auto: a %s V cache needs it", quant)
+                return replace(self, flash_attn="on")
         return self
+
+    def memory_mode(self):
+        """The memory mode these settings ask for (memory.MemoryMode)."""
+        from .memory import MemoryMode
+        return MemoryMode(repack=self.repack, type_k=self.cache_type_k, type_v=self.cache_type_v,
+                          draft_type_k=self.cache_type_k_draft or self.cache_type_k,
+                          draft_type_v=self.cache_type_v_draft or self.cache_type_v)
+
+    def memory_modes(self) -> list:
+        """The modes the planner may use, in its order: the asked one, then the cheaper ones
+        (memory.MemoryMode.cheaper: q8_0 KV, no repacked weights, both) when there is a
+        memory budget to fit; the asked one alone without one."""
+        mode = self.memory_mode()
+        return mode.cheaper(self.flash_attn) if self.memory_budget is not None else [mode]
 
     def budget_bytes(self) -> Optional[int]:
         from .memory import parse_size
@@ -220,7 +282,8 @@ def plan_for(settings: Settings, t_info, d_info) -> dict:
     RAM available now. The result is memory.plan's, with budget_bytes the whole budget,
     cache_bytes the prompt cache's share, fit_bytes what the configurations had to fit in (the
     difference) and parallel the sequences planned for (settings.parallel, or the most that fit
-    when it is None)."""
+    when it is None). With a memory_budget the cheaper memory modes are tried before the draft
+    model is dropped or the context lowered (Settings.memory_modes)."""
     from .memory import available_memory, plan
     given = settings.budget_bytes()
     total = available_memory() if given is None else given
@@ -229,7 +292,7 @@ def plan_for(settings: Settings, t_info, d_info) -> dict:
     result = plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=plan_mode(settings), budget=fit,
                   gpu_layers=offloaded_layers(settings.n_gpu_layers),
                   draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn,
-                  n_seq=settings.parallel)
+                  n_seq=settings.parallel, modes=settings.memory_modes())
     return dict(result, budget_bytes=total, cache_bytes=cache, fit_bytes=fit)
 
 
@@ -273,39 +336,53 @@ def _smaller_parallel(settings: Settings, t_info, d_info, result: dict, drafter:
     return largest_parallel(t_info, d_info, n_ctx=settings.n_ctx, drafter=drafter, budget=result["fit_bytes"],
                             limit=result["parallel"] - 1, gpu_layers=offloaded_layers(settings.n_gpu_layers),
                             draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers),
-                            flash_attn=settings.flash_attn)
+                            flash_attn=settings.flash_attn, mode=settings.memory_modes()[-1])
 
 
-def fit_budget(settings: Settings, t_info, d_info) -> tuple[str, bool, int]:
-    """(drafter mode, keep the draft model?, sequences) that fit the budget at the wanted context
-    size, trying memory.plan's order: draft model, n-gram, plain decoding. Sequences: as given, or
-    the most at which the wanted drafter fits (up to 4), else 1 with the fallbacks above."""
-    from .memory import wanted_drafters
+def fit_budget(settings: Settings, t_info, d_info) -> tuple:
+    """(drafter mode, keep the draft model?, sequences, memory mode) that fit the budget at the
+    wanted context size, trying memory.plan's order: the draft model in the asked memory mode,
+    then in the cheaper ones (q8_0 KV, no repacked weights, both), then n-gram drafting, then
+    plain decoding. Sequences: as given, or the most at which the wanted drafter fits (up to 4),
+    else 1 with the fallbacks above. The memory mode is a memory.MemoryMode."""
+    from .memory import mode_of, speed_words, wanted_drafters
     kind = REGISTRY[settings.drafter]
     mode = plan_mode(settings)
     result = plan_for(settings, t_info, d_info)  # the prompt cache lives in the same RAM
     choice, n = result["choice"], result["parallel"]
     seqs = f" with {n} sequences (--parallel {n})" if n > 1 else ""
+    asked = settings.memory_mode()
     if choice.get("n_ctx") != settings.n_ctx:
         fewer = _smaller_parallel(settings, t_info, d_info, result, wanted_drafters(mode, d_info)[-1]) if n > 1 else 0
         fits = ([f"--parallel {fewer} (fits)"] if fewer else []) + \
             ([f"--ctx {choice['n_ctx']} (fits)"] if "n_ctx" in choice else [])
         hint = (f"pass {' or '.join(fits)}, " if fits else "") + \
             "raise --memory-budget or lower --cache-ram (see `edgespec plan`)"
+        modes = settings.memory_modes()
+        cheapest = f" in memory mode {modes[-1].name}" if len(modes) > 1 else ""
         raise UsageError(f"{t_info.path.name}{seqs} does not fit in {budget_words(result)} even without a drafter "
-                         f"at n_ctx {settings.n_ctx}: {hint}")
+                         f"at n_ctx {settings.n_ctx}{cheapest}: {hint}")
     got = choice["drafter"]
+    memory_mode = mode_of(choice)
     wanted = "model" if d_info is not None else ("ngram" if mode in ("auto", "ngram") else "none")
+    in_mode = (f", in memory mode {memory_mode.name} ({speed_words(memory_mode)})"
+               if memory_mode != asked else "")
     if got != wanted:
         fewer = _smaller_parallel(settings, t_info, d_info, result, wanted) if n > 1 else 0
-        log.warning("the %s drafter does not fit in %s at n_ctx %d%s: using %s drafting instead%s",
-                    wanted, budget_words(result), settings.n_ctx, seqs, got,
-                    f" (--parallel {fewer} keeps it)" if fewer else "")
+        modes = settings.memory_modes()
+        anyway = " in any memory mode" if len(modes) > 1 else ""
+        log.warning("the %s drafter does not fit in %s at n_ctx %d%s%s: using %s drafting instead%s%s",
+                    wanted, budget_words(result), settings.n_ctx, seqs, anyway, got,
+                    f" (--parallel {fewer} keeps it)" if fewer else "", in_mode)
+    elif memory_mode != asked:
+        log.warning("the %s drafter does not fit in %s at n_ctx %d%s in memory mode %s: using memory mode %s (%s)",
+                    wanted, budget_words(result), settings.n_ctx, seqs, asked.name, memory_mode.name,
+                    speed_words(memory_mode))
     if settings.drafter == "auto" and got != "none":
-        return "auto", got == "model", n
+        return "auto", got == "model", n, memory_mode
     if got == kind.plans_as:  # it fits as asked (copy plans as an n-gram index)
-        return settings.drafter, got == "model", n
-    return got, got == "model", n
+        return settings.drafter, got == "model", n, memory_mode
+    return got, got == "model", n, memory_mode
 
 
 def check_context(settings: Settings, t_info, d_info=None) -> None:
@@ -321,8 +398,10 @@ def check_context(settings: Settings, t_info, d_info=None) -> None:
     # a lower bound (no copied weights, no runtime, one sequence unless more are asked for): what
     # is refused here could never run
     n = settings.parallel or 1
+    cheapest = settings.memory_modes()[-1]
     need = estimate_model(t_info, settings.n_ctx, gpu_layers=offloaded_layers(settings.n_gpu_layers),
-                          repacked_types=(), flash_attn=settings.flash_attn, n_seq=n).total
+                          repacked_types=(), flash_attn=settings.flash_attn, n_seq=n,
+                          type_k=cheapest.type_k, type_v=cheapest.type_v).total
     have = total_memory()
     if have and need > have:
         seqs, lower = (f" x {n} sequences (--parallel {n})", "--parallel or --ctx") if n > 1 else ("", "--ctx")
@@ -338,7 +417,7 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
     from .backend import LlamaBackend
     from .ggufinfo import check_pair, read_info
 
-    settings.validate()
+    settings = settings.validate()  # a quantized V cache turns flash attention auto into on
     if calibrate not in CALIBRATE:
         raise UsageError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {calibrate!r}")
     target_path, draft_path = resolve_files(settings, download=download, progress=progress)
@@ -348,15 +427,19 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
         check_pair(target_path, draft_path)  # before any weights are loaded
     check_context(settings, t_info, d_info)
     drafter = settings.drafter
+    mode = settings.memory_mode()
     if settings.memory_budget is not None:
-        drafter, keep_draft, n_seq = fit_budget(settings, t_info, d_info)
+        drafter, keep_draft, n_seq, mode = fit_budget(settings, t_info, d_info)
         if not keep_draft:
             draft_path = None
     else:  # no limit: as many sequences as asked, or as fit the RAM available now
         n_seq = parallel_for(settings, t_info, d_info)
+    # a quantized V cache the budget chose needs flash attention, which auto leaves to llama.cpp
+    flash_attn = "on" if mode.quantized_v and settings.flash_attn == "auto" else settings.flash_attn
     # n_ctx is one sequence's context: each context holds n_ctx x n_seq KV cells
     tb = LlamaBackend(target_path, n_ctx=settings.n_ctx, n_seq=n_seq, n_gpu_layers=settings.n_gpu_layers,
-                      threads=settings.threads, flash_attn=settings.flash_attn, verbose=settings.verbose)
+                      threads=settings.threads, flash_attn=flash_attn, verbose=settings.verbose,
+                      repack=mode.repack, type_k=mode.type_k, type_v=mode.type_v)
     db = None
     try:
         if drafter != "none" and not tb.can_truncate:
@@ -368,7 +451,8 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
             drafter, draft_path = "none", None
         if draft_path:
             db = LlamaBackend(draft_path, n_ctx=settings.n_ctx, n_seq=n_seq, n_gpu_layers=settings.draft_n_gpu_layers,
-                              threads=settings.threads, flash_attn=settings.flash_attn, verbose=settings.verbose)
+                              threads=settings.threads, flash_attn=flash_attn, verbose=settings.verbose,
+                              repack=mode.repack, type_k=mode.draft_type_k, type_v=mode.draft_type_v)
         from .promptcache import DiskCache, PromptCache
         cache_bytes = settings.cache_bytes()
         disk = (DiskCache(settings.cache_dir, DiskCache.identity_of(tb),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -56,7 +57,10 @@ def default_threads() -> int:
 
 # llama.cpp's llama_flash_attn_type: auto lets it decide per device (on for CPUs)
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
-ALL_GPU_LAYERS = 2**31 - 1  # what n_gpu_layers = -1 means: llama.cpp caps it at the model's layers
+ALL_GPU_LAYERS = 2**31 - 1
+# KV cache element types llama-server takes for -ctk/-ctv (ggml_type ids); a quantized V needs
+# flash attention (llama.cpp refuses the context otherwise)
+KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # what n_gpu_layers = -1 means: llama.cpp caps it at the model's layers
 
 
 def gpu_offload_supported() -> bool:
@@ -68,15 +72,25 @@ class LlamaBackend:
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_gpu_layers: int = -1,
                  threads: int | None = None, n_batch: int = 512, flash_attn: str | bool = "off",
-                 verbose: bool = False, n_seq: int = 1):
+                 verbose: bool = False, n_seq: int = 1, repack: bool = True, type_k: str = "f16",
+                 type_v: str = "f16"):
+        """`repack=False`: llama.cpp keeps no repacked copy of the weights (CPU: less memory, the
+        plain kernels); `type_k`, `type_v`: the KV cache's element types (KV_TYPES)."""
         flash_attn = {True: "on", False: "off"}.get(flash_attn, flash_attn)
         if flash_attn not in FLASH_ATTN_TYPES:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
+        for name, t in (("type_k", type_k), ("type_v", type_v)):
+            if t not in KV_TYPES:
+                raise ValueError(f"{name} must be one of {', '.join(KV_TYPES)}, got {t!r}")
+        if type_v != "f16" and flash_attn == "off":
+            raise ValueError(f"a {type_v} V cache needs flash attention: flash_attn 'on' or 'auto'")
         L = _llama()
         set_verbose(verbose)
         self.path = Path(path)
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = ALL_GPU_LAYERS if n_gpu_layers < 0 else n_gpu_layers
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = bool(repack)
         self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelFileError(f"llama.cpp could not load {self.path}: the file is damaged or "
@@ -95,6 +109,7 @@ class LlamaBackend:
             cparams.kv_unified = False
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
+        cparams.type_k, cparams.type_v = KV_TYPES[type_k], KV_TYPES[type_v]
         if hasattr(cparams, "flash_attn_type"):
             cparams.flash_attn_type = FLASH_ATTN_TYPES[flash_attn]
         elif hasattr(cparams, "flash_attn"):  # llama.cpp before the auto setting: a bool
@@ -118,6 +133,13 @@ class LlamaBackend:
         self.settings = {"n_gpu_layers": n_gpu_layers, "n_ctx": self.n_ctx, "threads": threads,
                          "flash_attn": {"on": True, "off": False}.get(flash_attn, flash_attn),
                          "gpu_offload": gpu_offload_supported()}
+        # the memory modes, when not the default (calibrations and saved states made before them
+        # keep their keys): they change the speed, and a saved state of one KV type fits no other
+        if not repack:
+            self.settings["repack"] = False
+        if (type_k, type_v) != ("f16", "f16"):
+            self.settings["kv_types"] = f"{type_k}/{type_v}"
+        self.repack, self.type_k, self.type_v = bool(repack), type_k, type_v
         self.flash_attn = flash_attn
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._mem = L.llama_get_memory(self._ctx)
@@ -128,7 +150,7 @@ class LlamaBackend:
         # per sequence: the KV cache holds these, at positions 0..len-1
         self._held: list[list[int]] = [[] for _ in range(n_seq)]
         self._stray: set[int] = set()
-        self._piece_buf = ctypes.create_string_buffer(256)
+        self._piece_buf = threading.local()
         self._longest = None
         self._specials = None
 
@@ -146,12 +168,16 @@ class LlamaBackend:
         return list(buf[:n])
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The token's bytes. Thread-safe: several streams detokenize at once (a buffer per thread)."""
         L = _llama()
-        n = L.llama_token_to_piece(self._vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
+        buf = getattr(self._piece_buf, "buf", None)
+        if buf is None:
+            buf = self._piece_buf.buf = ctypes.create_string_buffer(256)
+        n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
-            self._piece_buf = ctypes.create_string_buffer(-n)
-            n = L.llama_token_to_piece(self._vocab, token, self._piece_buf, -n, 0, special)
-        return self._piece_buf.raw[:n]
+            buf = self._piece_buf.buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
 
     def longest_piece(self) -> int:
         """Bytes of the longest token text in the vocabulary (control tokens as written), the most

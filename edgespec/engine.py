@@ -4,8 +4,9 @@ How the models were chosen and loaded is `assemble.py`'s business; prompt buildi
 `prompts.py`'s, the speculative round `rounds.py`'s, which sequence holds which conversation
 `slots.py`'s. The engine keeps the lifecycle and admission: up to `parallel` generations run
 at once (threads calling one Engine, each reading its own Stream), the rounds of all of them
-batched: a thread that needs its stream's next token runs the next round for everyone, under
-one lock, and the tokens it commits wait in each generation's queue. `cancel()` ends the
+batched: a thread that needs its stream's next token and finds none committed runs the next
+round for everyone, under one lock, and the tokens it commits wait in each generation's queue
+(taken without that lock: a reader never waits behind another thread that keeps the lock busy). `cancel()` ends the
 running generations within a round, `close()` frees the models.
 """
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Stream:
         self._tools = None          # a tools.StreamParser when the request had tools
         self.tool_calls: list = []
         self._ended = False         # the closing event was read, or the stream was closed
+        self._lock = threading.RLock()  # held while its events are computed
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -79,7 +81,9 @@ class Stream:
     def __next__(self) -> StreamEvent:
         if self._outdated:
             raise self._outdated
-        with self._engine._work:
+        # the stream's own lock, not the engine's: a token already committed (by a round another
+        # thread ran) is handed out at once; only a stream with none waits for a round
+        with self._lock:
             if self._outdated:
                 raise self._outdated
             try:
@@ -114,7 +118,7 @@ class Stream:
     def close(self) -> None:
         """Stop here; the engine serves the next request."""
         if self._outdated is None:
-            with self._engine._work:
+            with self._lock:
                 self._gen.close()
         self._ended = True
         self._release()
@@ -124,7 +128,11 @@ class Stream:
 
     def _invalidate(self, error: EdgespecError) -> None:
         self._outdated = error
-        self._gen.close()
+        if self._lock.acquire(blocking=False):  # else its reader is inside: it meets the error next
+            try:
+                self._gen.close()
+            finally:
+                self._lock.release()
 
     def __enter__(self):
         return self
@@ -428,7 +436,10 @@ class Engine(PromptBuilder):
                     raise error
                 return
             else:
-                self._advance()
+                with self._work:
+                    self._check_open()  # closed while this waited: the models are gone
+                    if not gen.out and not gen.finished:
+                        self._advance()
 
     def _events(self, stream: Stream) -> Iterator[StreamEvent]:
         """Token ids -> events with printable text, each as soon as it is committed; then one
@@ -439,7 +450,8 @@ class Engine(PromptBuilder):
         stop = gen.request.stop
         try:
             for token, from_draft in self._tokens(gen):
-                text += decoder.decode(self.target.token_to_piece(token))
+                with self._reading() as t:  # close() waits for it
+                    text += decoder.decode(t.token_to_piece(token))
                 hit = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
                 if hit >= 0:
                     rounds.finish(gen, "stop", force=True)

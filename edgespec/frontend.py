@@ -149,7 +149,15 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: the same on every verb
         p.add_argument(flag, **kw)
     _add_flash_attn_arg(p)
+    _add_memory_mode_args(p)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's own logs")
+
+
+def _add_memory_mode_args(p: argparse.ArgumentParser) -> None:
+    """--no-repack, -ctk/-ctv and the draft's -ctkd/-ctvd: the memory modes (llama-server's names)."""
+    from .assemble import MEMORY_MODE_FLAGS
+    for flags, kw in MEMORY_MODE_FLAGS.items():
+        p.add_argument(*flags, **kw)
 
 
 def _add_flash_attn_arg(p: argparse.ArgumentParser) -> None:
@@ -242,6 +250,9 @@ def settings_from_args(args, **overrides):
                   models_file=args.models, verbose=getattr(args, "verbose", False))
     if getattr(args, "flash_attn", None) is not None:
         fields["flash_attn"] = args.flash_attn
+    for name in ("repack", "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft"):
+        if hasattr(args, name):  # the memory modes (every verb with the model flags, and plan)
+            fields[name] = getattr(args, name)
     fields.update(overrides)
     return Settings(**fields).validate()
 

@@ -37,6 +37,10 @@ CATCH_UP = 0.3        # a token the draft model catches up on, in a batch, again
 # costs about 0.7 of one with logits: Qwen 1.5B, 2 threads, logits on the last row only against
 # every row at k = 2, 4, 8, 16 gave 0.69, 0.77, 0.72, 0.68 of the difference to one row.
 FEED_SHARE = 0.7
+# A pass several sequences share grows by drafts to at most this many times its plain cost: each
+# of them waits for it, so a short request beside a long answer that copies (a 95%-accepted edit
+# drafting 16 rows a pass on a CPU) gets its tokens at most this much slower than plain batching.
+SHARED_STRETCH = 2.0
 
 # Run-length buckets (lower edges) and the prior per-token acceptance of each. Fresh lookup
 # hits: below what the workloads showed for every kind (about 0.2 0.45 0.6 0.75 0.8 0.85 0.95
@@ -465,7 +469,8 @@ def best_length(costs: Costs, survival: list[float], draft_step: float = 0.0) ->
 
 
 def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0, fixed: float = 0.0,
-                base: tuple[int, int] = (1, 1), token_cost: Optional[float] = None) -> tuple[int, float]:
+                base: tuple[int, int] = (1, 1), token_cost: Optional[float] = None,
+                max_pass: float = math.inf) -> tuple[int, float]:
     """(draft length >= 1, expected seconds saved) for the length that saves the most time
     against decoding the same expected tokens one pass each; survival[j - 1] is the chance
     that the first j drafts are all accepted; `fixed` is spent whatever the length (the draft
@@ -488,6 +493,8 @@ def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0, fi
     best = (0, -math.inf)
     tokens = 0.0  # beyond the target's own token, which comes with the pass made anyway
     for g, s in enumerate(survival[:costs.max_rows - rows], 1):
+        if costs.pass_cost(fed + g, rows + g) > max_pass:
+            break
         tokens += s
         saved = tokens * t1 - fixed - g * draft_step - (costs.pass_cost(fed + g, rows + g) - anyway)
         if saved > best[1]:
@@ -526,10 +533,6 @@ class Policy:
     def costs(self) -> Costs:
         """The costs believed now (calibrated, then corrected by what the passes showed)."""
         return self.online.current()
-
-    def fork(self) -> "Policy":
-        """A policy for another sequence: the same device costs, its own acceptance figures."""
-        return Policy(self.online, self.max_gamma, self.model_prior)
 
     def reset(self) -> None:
         """Forget what was learnt about acceptance (the benchmark starts every run from the
@@ -571,6 +574,8 @@ class Policy:
         self.online.tick()
         t1 = costs.verify_cost(1)
         value = t1 if seqs <= 1 else costs.verify_cost(seqs) / seqs  # a plain token in this pass
+        # the others wait for this pass: it may grow to SHARED_STRETCH times its plain cost
+        cap = math.inf if seqs <= 1 else SHARED_STRETCH * costs.verify_cost(seqs)
         best = Choice("none", 0, 1.0 / t1)
         runner_up, saving = best, -math.inf  # the most promising draft
         tests: list[Choice] = []  # every drafter on offer, for exploration
@@ -587,7 +592,7 @@ class Policy:
                     for i, r in enumerate(offer.risk[:n]):
                         keep *= 1.0 - r
                         surv[i] *= keep
-                g, saving = best_saving(costs, surv, base=base, token_cost=value)
+                g, saving = best_saving(costs, surv, base=base, token_cost=value, max_pass=cap)
                 self._last_first_rate = surv[0] if surv else 0.0
                 if g:  # named by what it is: a fresh lookup hit or an aligned copy
                     runner_up = Choice("copy" if offer.state == "aligned" else "ngram", g,
@@ -596,7 +601,7 @@ class Policy:
         if has_model and room > 0 and costs.draft_step is not None:
             alpha = self.model.lower(CAUTION)
             surv = [alpha ** j for j in range(1, min(room, self.max_gamma) + 1)]
-            g, saved = best_saving(costs, surv, costs.draft_step, costs.catch_up(model_lag), base, value)
+            g, saved = best_saving(costs, surv, costs.draft_step, costs.catch_up(model_lag), base, value, cap)
             if g:
                 tests.append(Choice("model", g, _tps(costs, surv[:g], costs.draft_step)))
                 if saved > saving:

@@ -39,16 +39,25 @@ def test_the_sweep_falls_back_from_the_pair_to_ngram_to_a_smaller_context(fake_s
 def test_the_sweep_runs_each_budget_in_its_own_process_with_its_choice(fake_sizes, smol, smol_draft):
     settings = Settings(target=str(smol), draft=str(smol_draft), n_ctx=4096, flash_attn="on",
                         cache_ram=0).validate()
-    commands = []
+    commands, plain = [], []
 
     def runner(cmd):
-        commands.append(cmd)
         ctx = int(cmd[cmd.index("--ctx") + 1])
+        if "--memory-budget" not in cmd:  # plain f16 decoding, what the speeds are a ratio to
+            plain.append(cmd)
+            return {"stats": {"tokens_per_second": 4.0 if len(plain) <= 2 else 6.0, "acceptance_rate": 0.0},
+                    "peak_rss_bytes": 1}
+        commands.append(cmd)
         return {"stats": {"tokens_per_second": 10.0, "acceptance_rate": 0.5, "drafter": "x"},
                 "peak_rss_bytes": ctx * 1000}
     prompts = [{"id": "a", "kind": "code", "prompt": "def f():"}, {"id": "b", "kind": "chat", "prompt": "Hi"}]
     report = budgets.sweep(settings, [3 * 2**30, 1229 * MiB, 512 * MiB], prompts, max_tokens=8, runner=runner)
     assert len(commands) == 4  # two budgets fit, two prompts each; nothing is run for the third
+    # plain decoding of each prompt before and after the budgets: default mode, no budget, the wanted context
+    assert len(plain) == 4 and all(c[c.index("--drafter") + 1] == "none" and "--draft" not in c for c in plain)
+    assert all(c[c.index("--ctx") + 1] == "4096" and not {"--no-repack", "-ctk", "-ctv"} & set(c) for c in plain)
+    assert report["plain_tokens_per_second"] == {"a": [4.0, 6.0], "b": [4.0, 6.0]}
+    assert report["rows"][0]["speed_vs_plain"] == pytest.approx(2.0)  # 10 tok/s against a mean of 5
     first, second = commands[0], commands[2]
     assert first[first.index("--memory-budget") + 1] == f"{3 * 2**30}B" and "--draft" in first
     assert second[second.index("--ctx") + 1] == "2048"
@@ -60,6 +69,7 @@ def test_the_sweep_runs_each_budget_in_its_own_process_with_its_choice(fake_size
     assert "peak_rss_bytes" not in rows[2] and rows[2]["drafter"] is None
     table = budgets.format_table(report)
     assert "pair (draft model)" in table and "n-gram only" in table and "nothing fits" in table
+    assert "| default | " in table and "| 2.00 |" in table and "x plain f16" in table
 
 
 def test_bench_takes_a_list_of_budgets_and_refuses_a_bad_one(smol, capsys):
@@ -232,12 +242,12 @@ def test_plan_run_and_the_library_drop_the_draft_model_at_the_same_budget(smol, 
     assert f"the model drafter does not fit in {_fit(budget)} (" in err and "using ngram drafting" in err
     settings = Settings(target=str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024,
                         memory_budget=budget).validate()
-    assert fit_budget(settings, read_info(smol), read_info(smol_draft)) == ("ngram", False, 1)
+    assert fit_budget(settings, read_info(smol), read_info(smol_draft))[:3] == ("ngram", False, 1)
     # with the cache share given back, all three keep the draft model
     assert main(["plan", *base, "--cache-ram", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["choice"]["drafter"] == "model"
     from dataclasses import replace
-    assert fit_budget(replace(settings, cache_ram=0), read_info(smol), read_info(smol_draft)) == ("model", True, 1)
+    assert fit_budget(replace(settings, cache_ram=0), read_info(smol), read_info(smol_draft))[:3] == ("model", True, 1)
 
 
 def test_plan_run_and_the_library_refuse_the_same_budget_with_the_same_figure(smol, smol_draft, capsys, no_load):
@@ -265,7 +275,8 @@ def test_a_sweep_records_a_budget_that_fits_nothing_and_goes_on(smol, smol_draft
     children = []
 
     def child(cmd):  # the run the sweep starts: its own plan must accept what the sweep chose
-        children.append(cmd)
+        if "--memory-budget" in cmd:  # not plain decoding's runs
+            children.append(cmd)
         with pytest.raises(Loaded):
             main(cmd[3:])  # [python, -m, edgespec, run, ...]
         return {"stats": {"tokens_per_second": 5.0, "acceptance_rate": 0.5}, "peak_rss_bytes": need["model"]}
@@ -288,7 +299,7 @@ def test_a_sweep_goes_on_when_one_budgets_run_fails(fake_sizes, smol, smol_draft
     settings = Settings(target=str(smol), draft=str(smol_draft), n_ctx=4096, cache_ram=0).validate()
 
     def runner(cmd):
-        if cmd[cmd.index("--memory-budget") + 1] == f"{3 * 2**30}B":
+        if "--memory-budget" in cmd and cmd[cmd.index("--memory-budget") + 1] == f"{3 * 2**30}B":
             raise UsageError("the run for this budget failed: out of memory")
         return {"stats": {"tokens_per_second": 10.0, "acceptance_rate": 0.5}, "peak_rss_bytes": 1}
     report = budgets.sweep(settings, [3 * 2**30, 4 * 2**30], [{"id": "a", "kind": "code", "prompt": "x"}],

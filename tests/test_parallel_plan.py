@@ -17,10 +17,13 @@ from edgespec.ggufinfo import read_info
 MiB = 2**20
 
 
-def _peaks(t, d, drafter: str, n_ctx: int = 4096) -> dict:
-    """The planner's own peak for `drafter` at n_ctx, per number of sequences (1..4)."""
+def _peaks(t, d, drafter: str, n_ctx: int = 4096, cheapest: bool = False) -> dict:
+    """The planner's own peak for `drafter` at n_ctx, per number of sequences (1..4): in the
+    default memory mode, or (`cheapest`) in the cheapest one a budget may trade to (q8_0 KV, no
+    repacked weights)."""
+    mode = memory.DEFAULT_MODE.cheaper(Settings.flash_attn)[-1] if cheapest else memory.DEFAULT_MODE
     return {n: memory.estimate_process(t, d, n_ctx=n_ctx, drafter=drafter, flash_attn=Settings.flash_attn,
-                                       n_seq=n)["total"] for n in range(1, 5)}
+                                       n_seq=n, mode=mode)["total"] for n in range(1, 5)}
 
 
 def test_the_kv_part_of_the_peak_scales_with_the_sequences(qwen_pair):
@@ -56,8 +59,10 @@ def test_auto_parallel_shrinks_when_the_budget_is_tight(qwen):
     assert chosen(peak[4] * 4) == (4, "model", 4096)  # at most 4 without --parallel
     assert chosen((peak[2] + peak[3]) // 2) == (2, "model", 4096)
     assert chosen((peak[1] + peak[2]) // 2) == (1, "model", 4096)
-    # not even one sequence keeps the draft model: exactly today's fallback, for one sequence
-    below = peak[1] - MiB
+    # not even one sequence fits in the asked mode: one, in a cheaper memory mode (the draft model kept)
+    assert chosen(peak[1] - MiB) == (1, "model", 4096)
+    # not even one sequence keeps the draft model in any mode: exactly the old fallback, for one sequence
+    below = _peaks(t, d, "model", cheapest=True)[1] - MiB
     assert chosen(below) == chosen(below, parallel=1) == (1, "ngram", 4096)
     # the prompt cache's share is set aside first: 4 fit the whole budget, 2 what is left of it
     budget = (peak[2] + peak[3]) // 2 * 10 // 9
@@ -81,8 +86,10 @@ def test_plan_names_the_sequences_and_their_kv(qwen, capsys):
     assert (f"Parallel: 2 sequences at once (auto: as many as fit, 3 would need about {peak[3] / 2**30:.2f} GiB): "
             f"KV {2 * kv1 / MiB:,.0f} MiB of the peak.") in text
     assert "All configurations for 2 sequences" in text
-    # an explicit N is planned as given, and plan says which smaller N keeps the draft model
-    assert main([*base, "--parallel", "4"]) == 0
+    # an explicit N is planned as given, and plan says which smaller N keeps the draft model (in the
+    # cheapest memory mode: the planner tries the modes before it drops the draft model)
+    cheap = _peaks(t, d, "model", cheapest=True)
+    assert main([*base[:-1], f"{(cheap[2] + cheap[3]) // 2}B", "--parallel", "4"]) == 0
     text = capsys.readouterr().out
     assert "Fits: target + n-gram drafting at n_ctx 4096" in text
     assert "Parallel: 4 sequences at once (--parallel 4; --parallel 2 fits target + draft model at n_ctx 4096)" in text
@@ -143,7 +150,7 @@ def test_both_backends_are_loaded_for_the_chosen_sequences(smol, smol_draft, loa
 
 def test_an_explicit_parallel_that_does_not_fit_is_refused_in_one_line(smol, loads):
     t = read_info(smol)
-    peak = _peaks(t, None, "none")
+    peak = _peaks(t, None, "none", cheapest=True)  # a budget tries the memory modes first
     with pytest.raises(UsageError) as err:
         Engine.load(str(smol), drafter="none", cache_ram=0, memory_budget=peak[2] + MiB, parallel=4)
     msg = str(err.value)
@@ -157,7 +164,7 @@ def test_an_explicit_parallel_that_does_not_fit_is_refused_in_one_line(smol, loa
 
 def test_an_explicit_parallel_that_costs_the_draft_model_says_which_keeps_it(smol, smol_draft, loads, caplog):
     t, d = read_info(smol), read_info(smol_draft)
-    peak = _peaks(t, d, "model", n_ctx=1024)
+    peak = _peaks(t, d, "model", n_ctx=1024, cheapest=True)  # the modes are tried before the draft model goes
     with caplog.at_level(logging.WARNING, logger="edgespec"), pytest.raises(Loaded):
         Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024, cache_ram=0,
                     memory_budget=(peak[2] + peak[3]) // 2, parallel=3)

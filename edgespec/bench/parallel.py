@@ -21,6 +21,7 @@ earlier one's prompt or learns from it; each engine is warmed up with one short 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -248,6 +249,13 @@ def measure(spec, plain, items: list[dict], opts: ParallelOptions, progress=None
             "auto_serial_over_plain_serial": modes["auto"]["serial"]["tps"] / ps if ps > 0 else None}
 
 
+def _loadavg() -> Optional[list[float]]:
+    try:
+        return list(os.getloadavg())
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
 def _draft_path(spec) -> Optional[str]:
     model = getattr(spec.drafter, "model", None)
     backend = getattr(model, "backend", None)
@@ -306,7 +314,9 @@ def main(settings, opts, progress=None) -> int:
             raise UsageError(f"the engine holds {spec.parallel} sequences, not {po.requests}: "
                              "give it more memory or fewer --parallel-requests")
         plain = Engine(spec.target, None, parallel=po.requests)  # the same loaded target
+        before = _loadavg()
         result = measure(spec, plain, items, po, progress)
+        result["loadavg_before"], result["loadavg_after"] = before, _loadavg()  # a busy machine shows here
     out = Path(po.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -7,8 +7,9 @@ import os
 import sys
 
 from ..errors import EdgespecError, UsageError
-from ..frontend import (PROG, ProgressBar, _add_flash_attn_arg, _add_model_args, _add_sampling_args, _check_arg_text,
-                       _Parser, _RawHelp, _setup_logging, load_engine, request_from_args, settings_from_args)
+from ..frontend import (PROG, ProgressBar, _add_flash_attn_arg, _add_memory_mode_args, _add_model_args,
+                        _add_sampling_args, _check_arg_text, _Parser, _RawHelp, _setup_logging, load_engine,
+                        request_from_args, settings_from_args)
 
 __all__ = ["main", "build_parser", "run_verb"]
 
@@ -221,6 +222,7 @@ def _setup_plan(sub) -> None:
     p.add_argument("--draft-n-gpu-layers", "-ngld", "--n-gpu-layers-draft", type=int, default=-1, metavar="N",
                    help="draft layers on the GPU")
     _add_flash_attn_arg(p)
+    _add_memory_mode_args(p)
     p.add_argument("--json", action="store_true", help='print {"configs": [...], "choice": {...}}')
     p.set_defaults(func=cmd_plan)
 
@@ -233,25 +235,35 @@ def cmd_plan(args) -> int:
     t = read_info(target)
     d = read_info(d_path) if d_path else None
     result = plan_for(settings, t, d)  # the rule `run`, `serve`, bench and Engine.load follow
+    # a quantized V cache turned flash attention auto into on (Settings.validate)
+    forced = args.flash_attn == "auto" and settings.flash_attn == "on"
     if args.json:
-        for c in result["configs"]:
+        for c in result["configs"] + result["mode_configs"]:
             c.pop("parts")
+        if forced:
+            result["flash_attn_note"] = "on, not auto: a quantized V cache needs flash attention"
         print(json.dumps(result, indent=1))
         return 0
     from ..assemble import offloaded_layers, plan_mode
     from ..memory import explain
-    print("\n".join(explain(result, t, d, n_ctx=settings.n_ctx, drafter=plan_mode(settings),
-                             budget_given=settings.memory_budget is not None,
-                             gpu_layers=offloaded_layers(settings.n_gpu_layers),
-                             draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers),
-                             flash_attn=settings.flash_attn)))
+    lines = explain(result, t, d, n_ctx=settings.n_ctx, drafter=plan_mode(settings),
+                    budget_given=settings.memory_budget is not None,
+                    gpu_layers=offloaded_layers(settings.n_gpu_layers),
+                    draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn)
+    if forced:
+        lines.insert(2, "Flash attention: on, not auto: a quantized V cache (--cache-type-v) needs it.")
+    print("\n".join(lines))
     n = result["parallel"]
     seqs = f" for {n} sequences" if n > 1 else ""
+    multi = len(result["modes"]) > 1
     print(f"\nAll configurations{seqs} (fits: in {result['fit_bytes'] / 2**30:.2f} GiB):\n"
-          f"{'drafter':<8} {'n_ctx':>6} {'estimate':>10}  fits")
-    for c in result["configs"]:
+          f"{'drafter':<8} {'n_ctx':>6} {'estimate':>10}  fits" + ("  memory mode" if multi else ""))
+    # the asked mode at every context; the cheaper modes at the wanted one (their peaks elsewhere: --json)
+    rows = result["configs"] + [c for c in result["mode_configs"] if c["n_ctx"] == settings.n_ctx]
+    for c in rows:
         fits = "yes" if c["fits"] else "no"
-        print(f"{c['drafter']:<8} {c['n_ctx']:>6} {c['estimated_bytes'] / 2**30:>8.2f} GiB  {fits}")
+        line = f"{c['drafter']:<8} {c['n_ctx']:>6} {c['estimated_bytes'] / 2**30:>8.2f} GiB  {fits:<4}"
+        print((line + (f"  {c['mode']}" if multi else "")).rstrip())
     return 0
 
 

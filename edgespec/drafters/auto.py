@@ -39,10 +39,11 @@ class AutoDrafter:
             self.model.begin(tokens)
 
     def fork(self, seq: int) -> "AutoDrafter":
-        """The lane for sequence `seq`: its own copy drafter and acceptance figures, the same
-        draft model (its sequence `seq`) and the same device costs."""
-        return AutoDrafter(self.policy.fork(), self.copy.fork(seq),
-                           self.model.fork(seq) if self.model is not None else None)
+        """The lane for sequence `seq`: its own copy drafter, the same draft model (its sequence
+        `seq`) and the same policy: what drafts are accepted and what passes cost is learnt from
+        every sequence (a lane starting from the priors drafted 50 tokens a request, at 20%
+        acceptance, where the seasoned lane drafted one)."""
+        return AutoDrafter(self.policy, self.copy.fork(seq), self.model.fork(seq) if self.model is not None else None)
 
     def propose(self, tokens, room, params, rng, guide=None) -> Draft:
         d = self.plan(tokens, room, params, rng, guide)

@@ -12,7 +12,7 @@ from edgespec.engine import Engine
 from edgespec.promptcache import DiskCache, PromptCache
 
 STORY = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
-MODES = [(True, "q8_0", "q8_0"), (False, "f16", "f16"), (False, "q4_0", "q4_0"), (True, "q8_0", "f16")]
+MODES = [(True, "q8_0", "q8_0"), (False, "f16", "f16"), (False, "q4_0", "q4_0")]
 
 
 def _backend(path, repack, tk, tv, **kw):

@@ -81,7 +81,7 @@ def step(target, gens: list[Generation], width: int) -> None:
             logits = _laws(g, target, draft.tokens, next(got) if part is not None else None, ask, masks)
             if ask:
                 g.stats.target_forwards += 1
-                _check_finite(target, logits)
+                check_finite(target, logits)
             _commit(g, target, draft, inner, n_forced, logits, masks, width, info)
         except Exception as exc:  # this generation's failure (a dead-end constraint), not the others'
             g.error, g.finished = exc, True
@@ -280,7 +280,8 @@ def _target_law(logits: np.ndarray, masks, params, width: int) -> np.ndarray:
     return warp(rows if masks is None else mask_logits(rows, masks), params)
 
 
-def _check_finite(target, logits: np.ndarray) -> None:
+def check_finite(target, logits: np.ndarray) -> None:
+    """A NaN row means a damaged file: one line naming it (the prefill checks its row too)."""
     if len(logits) and not np.isfinite(logits.max(axis=1)).all():
         raise DamagedModelError(f"{target.path.name} produced non-finite logits (NaN): the file is damaged; "
                                 "download it again")

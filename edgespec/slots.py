@@ -117,10 +117,8 @@ class Sequences:
         # token's KV depends, in its last bits, on the batch it was computed in)
         kept = target.keep_prefix(tokens, seq)
         row = target.eval(tokens[kept:], [len(tokens) - kept - 1], seq)
-        if len(row) and not np.isfinite(row.max(axis=1)).all():
-            from .errors import DamagedModelError
-            raise DamagedModelError(f"{target.path.name} produced non-finite logits (NaN): the file is damaged; "
-                                    "download it again")
+        from .rounds import check_finite
+        check_finite(target, row)
         self.prompt_row[seq] = (tuple(tokens), row)
         return row, kept
 

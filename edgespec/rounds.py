@@ -24,28 +24,34 @@ from .generation import Generation
 from .sampling import verify, verify_greedy, warp
 
 
-def start(gen: Generation, target, sequences, lanes, busy: set) -> None:
+def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[int] = None) -> bool:
     """Prefill: the prompt into the generation's sequence (a free one claimed from
     `sequences`, not in `busy`, its prefix kept, copied or restored), its last row kept for the
-    first round; `lanes(seq)` is the drafter for that sequence."""
-    t0 = time.perf_counter()
-    gen.seq, restored = sequences.claim(gen.tokens, busy)
-    gen.started = True
-    lane = lanes(gen.seq)
-    gen.n_ctx = target.n_ctx
-    gen.carry, kept = sequences.prefill(gen.seq, gen.tokens)
+    first round; `lanes(seq)` is the drafter for that sequence. With `limit`, at most that many
+    prompt tokens a call (the rounds of others, and new arrivals, go on between): False until the prompt is in."""
     st = gen.stats
-    st.reused_prompt_tokens = kept
-    st.restored_prompt_tokens = kept if restored else 0
+    if gen.seq < 0:
+        gen.t1 = time.perf_counter()  # the prompt's start, until it is in
+        gen.seq, restored = sequences.claim(gen.tokens, busy)
+        gen.n_ctx = target.n_ctx
+        st.reused_prompt_tokens = -1 if not restored else -2  # set by the first piece below
+    row, kept = sequences.prefill(gen.seq, gen.tokens, limit)
+    if st.reused_prompt_tokens < 0:
+        st.restored_prompt_tokens = kept if st.reused_prompt_tokens == -2 else 0
+        st.reused_prompt_tokens = kept
+    if row is None:
+        return False
+    gen.started, gen.carry = True, row
     st.target_forwards += 1
-    gen.drafter = lane
+    lane = gen.drafter = lanes(gen.seq)
     if lane is not None:
         lane.begin(list(gen.tokens))
     if gen.guide is not None:  # what the grammar drafts ahead: decided once a generation
         from .policy import drafts_likely
         gen.ahead = gen.guide.likely if drafts_likely(getattr(lane, "policy", None)) else gen.guide.forced
-    gen.t1 = time.perf_counter()
+    t0, gen.t1 = gen.t1, time.perf_counter()
     st.prompt_seconds = gen.t1 - t0
+    return True
 
 
 def step(target, gens: list[Generation], width: int) -> None:

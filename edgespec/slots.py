@@ -12,6 +12,7 @@ the prompt cache first. With one sequence this is the one live slot and its prom
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 
@@ -103,9 +104,12 @@ class Sequences:
                     d.copy_prefix(donor, seq, n)
         return False
 
-    def prefill(self, seq: int, tokens: list[int]) -> tuple[np.ndarray, int]:
+    def prefill(self, seq: int, tokens: list[int], limit: Optional[int] = None
+                ) -> tuple[Optional[np.ndarray], int]:
         """Put the prompt in sequence `seq`; return its last row of logits and how many prompt
-        positions were already there."""
+        positions were already there. With `limit`, at most that many tokens are evaluated now
+        (other sequences' rounds go on between the pieces): the row is None until the last
+        piece; a `limit` of n_batch cuts the prompt where llama.cpp's own batches would."""
         target = self.target
         saved = self.prompt_row.get(seq)
         held = target.held(seq)
@@ -113,9 +117,12 @@ class Sequences:
                 and held[:len(tokens)] == tokens and target.truncate(len(tokens), seq)):
             return saved[1], len(tokens)
         self.prompt_row.pop(seq, None)
-        # the whole rest of the prompt in one batch, as plain llama.cpp decoding does (a
+        # the whole rest of the prompt in n_batch pieces, as plain llama.cpp decoding does (a
         # token's KV depends, in its last bits, on the batch it was computed in)
         kept = target.keep_prefix(tokens, seq)
+        if limit is not None and len(tokens) - kept > limit:
+            target.eval(tokens[kept:kept + limit], [], seq)
+            return None, kept
         row = target.eval(tokens[kept:], [len(tokens) - kept - 1], seq)
         from .rounds import check_finite
         check_finite(target, row)

@@ -10,7 +10,7 @@ import numpy as np
 
 class FakeBackend:
     def __init__(self, table: np.ndarray, *, n_ctx: int = 4096, eos: int = -1, name: str = "fake",
-                 vocab_bytes=None, n_seq: int = 1):
+                 vocab_bytes=None, n_seq: int = 1, n_batch: int = 512):
         self.table = np.asarray(table, dtype=np.float32)  # (V, V): row = previous token
         self.vocab_bytes = vocab_bytes  # each token's bytes, for constraints (llguidance's tokenizer)
         self.n_vocab = self.table.shape[1]
@@ -20,6 +20,7 @@ class FakeBackend:
         self.path = Path(name + ".gguf")
         self.can_truncate = True
         self.n_seq = n_seq
+        self.n_batch = n_batch
         self.caches: list[list[int]] = [[] for _ in range(n_seq)]  # what each sequence's KV cache holds
         self.evals = 0
         self.batches: list[list[tuple[int, int, int]]] = []  # per eval_batch: (seq, tokens, rows) of each part

@@ -132,8 +132,10 @@ def test_greedy_answers_in_a_batch_equal_their_answers_alone_from_four_threads()
     start = threading.Barrier(4)
 
     def worker(i):
-        start.wait()
-        out[i] = engine.generate(PROMPTS[i], max_tokens=40).tokens
+        s = engine.stream(PROMPTS[i], max_tokens=40)
+        start.wait()  # all four admitted before any reads: the first round is everyone's
+        out[i] = s.result().tokens
+        s.close()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
@@ -291,3 +293,26 @@ def test_the_policy_prices_a_shared_pass_so_a_cpu_drafts_less_beside_other_seque
     assert alone.drafter == "copy" and alone.gamma >= 2
     assert shared.gamma <= alone.gamma // 2  # measured: 4 alone, 1 shared
     assert Policy(gpu).choose(offer, room=8, base=(4, 4), seqs=4).gamma >= alone.gamma
+
+
+def test_a_long_prompt_joining_a_running_answer_goes_in_by_pieces_between_its_rounds(monkeypatch):
+    """A prompt beside a running generation is evaluated PIECE tokens a round, so the running
+    one keeps getting tokens; both answers equal their answers alone."""
+    monkeypatch.setattr(engine_mod, "PIECE", 8)
+    p, q = _greedy_tables(12)
+    engine = Engine(FakeBackend(p, n_seq=2, n_batch=8), ModelDrafter(FakeBackend(q, n_seq=2), 8, 2))
+    running = engine.stream([0, 1], max_tokens=40)
+    next(running)
+    long_prompt = [1, 2, 3, 4, 5, 6, 7] * 6  # 42 tokens: six pieces of 8
+    joining = engine.stream(long_prompt, max_tokens=5)
+    got_between = 0
+    while joining.generation.seq < 0 or not joining.generation.started:
+        next(running)
+        got_between += 1
+    pieces = [parts for parts in engine.target.batches if any(n == 8 and r == 0 for _, n, r in parts)]
+    assert len(pieces) >= 4 and got_between >= 4  # the running answer went on between the pieces
+    r = joining.result()
+    rest = running.result()
+    assert r.tokens == Engine(FakeBackend(p)).generate(long_prompt, max_tokens=5).tokens
+    assert rest.tokens == Engine(FakeBackend(p)).generate([0, 1], max_tokens=40).tokens
+    assert r.stats.reused_prompt_tokens == 0 and r.stats.prompt_tokens == 42

@@ -10,15 +10,16 @@ llama_get_logits_ith: never `logits_all`, never the n_ctx x n_vocab `Llama.score
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import BackendError, ModelFileError
+from .errors import Aborted, BackendError, ModelFileError
 
 _log_callback = None  # keep the ctypes callback alive for the life of the process
 _backend_ready = False
@@ -150,6 +151,7 @@ class LlamaBackend:
         # per sequence: the KV cache holds these, at positions 0..len-1
         self._held: list[list[int]] = [[] for _ in range(n_seq)]
         self._stray: set[int] = set()
+        self._abort_fn = None  # the ctypes callback while abort_when() is in force
         self._piece_buf = threading.local()
         self._longest = None
         self._specials = None
@@ -295,6 +297,8 @@ class LlamaBackend:
                 for seq in seqs:
                     L.llama_memory_seq_rm(self._mem, seq, len(self._held[seq]), -1)
                 self._stray -= seqs
+                if rc == 2 and self._abort_fn is not None:
+                    raise Aborted(f"the pass on {self.path.name} was stopped (cancelled)")
                 raise BackendError(f"llama_decode failed with code {rc} on {self.path.name}")
             for p, i, _ in chunk:
                 seq, tokens, _ = parts[p]
@@ -305,6 +309,26 @@ class LlamaBackend:
                     ptr = L.llama_get_logits_ith(self._ctx, j)
                     outs[p][r] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         return outs
+
+    @contextlib.contextmanager
+    def abort_when(self, stop: Callable[[], bool]):
+        """Passes inside stop as soon as `stop()` says so (llama.cpp asks between the graph's
+        nodes, so within milliseconds of a cancel), raising Aborted; for a prompt evaluated alone,
+        whose pass may take seconds. Not for shared passes: all their rows would be lost."""
+        L = _llama()
+
+        def check(_data) -> bool:
+            try:
+                return bool(stop())
+            except BaseException:  # never raise into C
+                return False
+        self._abort_fn = L.ggml_abort_callback(check)  # kept alive while llama.cpp may call it
+        L.llama_set_abort_callback(self._ctx, self._abort_fn, None)
+        try:
+            yield
+        finally:
+            L.llama_set_abort_callback(self._ctx, L.ggml_abort_callback(), None)
+            self._abort_fn = None
 
     def _drop_stray(self) -> None:
         """An interrupt (KeyboardInterrupt, an exception in a callback) between llama_decode and

@@ -52,6 +52,14 @@ class Constraint:
             names = " and ".join(k for k, _ in given)
             raise UsageError(f"give at most one of json_schema, regex and grammar, got {names}")
         kind, value = given[0]
+        try:
+            return cls._build(kind, value)
+        except RecursionError:  # json, llguidance's Python side: a schema nested ~1000 levels deep
+            raise UsageError(f"the {NAMES[kind]} nests too deeply to compile (hundreds of levels): "
+                             "flatten it, or use $defs and $ref for recursive structures") from None
+
+    @classmethod
+    def _build(cls, kind: str, value) -> "Constraint":
         M = _llg().LLMatcher
         if kind == "json_schema":
             if isinstance(value, str):

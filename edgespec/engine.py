@@ -471,9 +471,10 @@ class Engine(PromptBuilder):
             for token, from_draft in self._tokens(gen):
                 with self._reading() as t:  # close() waits for it
                     text += decoder.decode(t.token_to_piece(token))
-                hit = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                hit, matched = min(((i, s) for s in stop for i in (text.find(s),) if i >= 0), default=(-1, ""))
                 if hit >= 0:
                     rounds.finish(gen, "stop", force=True)
+                    gen.stats.stop_sequence = matched
                     yield StreamEvent(text[:hit], token, from_draft)
                     text = ""
                     break

@@ -48,6 +48,11 @@ class BackendError(EdgespecError):
     exit_code = 1
 
 
+class Aborted(BackendError):
+    """A llama_decode stopped by its abort callback (a cancelled prompt): the positions of the
+    batch it was computing are not in the cache."""
+
+
 class ChecksumError(DownloadError):
     """A downloaded file did not match its sha256; nothing of it was kept."""
 

@@ -29,6 +29,7 @@ class GenerationStats:
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str = ""
+    stop_sequence: str = ""         # the stop string that ended it (finish_reason "stop"), if one did
     costs: dict = field(default_factory=dict)  # auto: where its cost figures came from
 
     @property

@@ -131,9 +131,12 @@ class PromptBuilder:
                     raise
                 first = keep[0]
                 gone = 1
-                if messages[first].get("tool_calls"):  # a call goes with the results that answer it
-                    while first + gone < len(messages) - 1 and messages[first + gone].get("role") == "tool":
-                        gone += 1
+                # a call goes with the results that answer it (and a result never stays without
+                # its call: the conversation would be refused)
+                while first + gone < len(messages) and messages[first + gone].get("role") == "tool":
+                    gone += 1
+                if first + gone >= len(messages):  # that would take the last message too
+                    raise
                 del messages[first:first + gone]
                 dropped += gone
 

@@ -19,7 +19,7 @@ import numpy as np
 from .constraints import mask_logits
 from .drafters import NO_DRAFT, Draft, Round
 from .drafters.model import ModelWant, draft_many
-from .errors import BackendError, ConstraintError, DamagedModelError
+from .errors import Aborted, BackendError, ConstraintError, DamagedModelError
 from .generation import Generation
 from .sampling import verify, verify_greedy, warp
 
@@ -30,12 +30,24 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
     first round; `lanes(seq)` is the drafter for that sequence. With `limit`, at most that many
     prompt tokens a call (the rounds of others, and new arrivals, go on between): False until the prompt is in."""
     st = gen.stats
+    if gen.cancel.is_set():  # cancelled before (or while) its prompt went in: none of it is evaluated
+        finish(gen, "cancelled")
+        return False
     if gen.seq < 0:
         gen.t1 = time.perf_counter()  # the prompt's start, until it is in
         gen.seq, restored = sequences.claim(gen.tokens, busy)
         gen.n_ctx = target.n_ctx
         st.reused_prompt_tokens = -1 if not restored else -2  # set by the first piece below
-    row, kept = sequences.prefill(gen.seq, gen.tokens, limit)
+    abort = getattr(target, "abort_when", None)
+    if abort is None:
+        row, kept = sequences.prefill(gen.seq, gen.tokens, limit)
+    else:  # a piece alone can take seconds: a cancel stops it inside the pass
+        try:
+            with abort(gen.cancel.is_set):
+                row, kept = sequences.prefill(gen.seq, gen.tokens, limit)
+        except Aborted:
+            finish(gen, "cancelled")
+            return False
     if st.reused_prompt_tokens < 0:
         st.restored_prompt_tokens = kept if st.reused_prompt_tokens == -2 else 0
         st.reused_prompt_tokens = kept
@@ -129,7 +141,7 @@ def finish(g: Generation, reason: Optional[str], force: bool = False) -> None:
         if reason is not None:
             g.stats.finish_reason = reason
         g.finished = True
-        g.stats.decode_seconds = time.perf_counter() - g.t1
+        g.stats.decode_seconds = time.perf_counter() - g.t1 if g.started else 0.0
         describe = getattr(g.drafter, "describe_costs", None)
         if describe is not None:
             g.stats.costs = describe()

@@ -83,6 +83,13 @@ class ToolSpec:
             if not isinstance(params, dict):
                 raise UsageError(f"tools[{i}].function.parameters must be a JSON Schema object")
             _check_schema(params, f"tools[{i}].function.parameters")
+            kind = params.get("type", "object")
+            if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+                # a call's arguments are a JSON object (OpenAI's and Anthropic's rule): anything
+                # else could not be sent back as `arguments` / `input`
+                raise UsageError(f"tools[{i}].function.parameters must be a schema of type \"object\" (the "
+                                 f"arguments are an object of named parameters), got type {kind!r}: wrap the "
+                                 "value in a property, e.g. {\"type\": \"object\", \"properties\": {\"value\": ...}}")
             desc = fn.get("description") or ""
             if not isinstance(desc, str):
                 raise UsageError(f"tools[{i}].function.description must be text")
@@ -103,7 +110,13 @@ class ToolSpec:
                 raise UsageError(f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}")
             choice = tool_choice
         # one call unless asked for more, as llama.cpp's server does: small models otherwise repeat a call
-        return cls(tuple(out), choice, function, parallel_tool_calls is True)
+        spec = cls(tuple(out), choice, function, parallel_tool_calls is True)
+        try:  # what the grammar will be built from: a schema too deep for it is refused here, by name
+            json.dumps(spec.call_schema())
+        except RecursionError:
+            raise UsageError("tools: a function's parameters nest too deeply (hundreds of levels): flatten "
+                             "them, or use $defs and $ref for recursive structures") from None
+        return spec
 
     def callable_tools(self) -> tuple[Tool, ...]:
         return tuple(t for t in self.tools if self.function is None or t.name == self.function)
@@ -236,7 +249,7 @@ class Hermes(Format):
 def _call(raw: str) -> Optional[ToolCall]:
     try:
         obj = json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments", {}), dict):
         return ToolCall(new_call_id(), obj["name"], obj.get("arguments", {}))
@@ -299,8 +312,10 @@ class Generic(Format):
     def parse(self, text: str, spec: Optional[ToolSpec] = None) -> tuple[str, list[ToolCall]]:
         try:
             obj = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []
+        except (json.JSONDecodeError, RecursionError):
+            # the answer was cut off (length, a stop string): a reply keeps what it had written,
+            # a call in progress is no text at all
+            return _partial_content(text), []
         if isinstance(obj, dict) and isinstance(obj.get("tool_call"), dict):
             c = obj["tool_call"]
             args = c.get("arguments", {})
@@ -308,6 +323,20 @@ class Generic(Format):
         if isinstance(obj, dict) and isinstance(obj.get("content"), str):
             return obj["content"], []
         return text, []
+
+
+def _partial_content(text: str) -> str:
+    """The reply in a cut-off generic answer `{"content": "...`, decoded; "" for anything else."""
+    m = re.match(r'\s*\{\s*"content"\s*:\s*"', text)
+    if m is None:
+        return ""
+    rest = text[m.end():]
+    for cut in range(len(rest), max(len(rest) - 8, -1), -1):  # a closing quote, or an escape cut in half
+        try:
+            return json.loads('"' + rest[:cut] + '"')
+        except json.JSONDecodeError:
+            continue
+    return ""
 
 
 class Llama3(Format):
@@ -334,8 +363,9 @@ class Llama3(Format):
             body = body[len(self.TAG):].strip()
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError:
-            return text, []
+        except (json.JSONDecodeError, RecursionError):
+            # under the tools grammar an answer opening with "{" is a call: cut off, it is no text
+            return ("", []) if spec is not None and body.startswith("{") else (text, [])
         if isinstance(obj, dict) and isinstance(obj.get("name"), str):
             args = obj.get("parameters", obj.get("arguments", {}))
             if isinstance(args, dict) and (spec is None or obj["name"] in {t.name for t in spec.tools}):
@@ -383,8 +413,8 @@ class Mistral(Format):
             return text, []
         try:
             items = json.loads(text[at + len(self.TAG):].strip())
-        except json.JSONDecodeError:
-            return text, []
+        except (json.JSONDecodeError, RecursionError):  # calls cut off: only the text before them
+            return text[:at].strip(), []
         calls = [ToolCall(new_call_id(), c["name"], c.get("arguments", {})) for c in (items if isinstance(items, list)
                  else [items]) if isinstance(c, dict) and isinstance(c.get("name"), str)
                  and isinstance(c.get("arguments", {}), dict)]
@@ -460,8 +490,11 @@ class StreamParser:
             return content, calls
         if calls and Hermes.OPEN not in self.text:  # a bare call (no markup), held back whole
             return "", calls
-        if self.inside and not calls:  # the marker's text in a plain answer: nothing was a call
-            rest = self.text[self.opened:]
+        if self.inside and not calls:
+            after = self.text[self.opened + len(Hermes.OPEN):]
+            # a call cut off (by the length limit, a stop string, a cancel) is no content, its markup
+            # least of all; the marker's text in prose ("use the <tool_call> tag") is
+            rest = "" if not after.strip() or after.lstrip().startswith("{") else self.text[self.opened:]
         else:
             rest = "" if self.inside else self.text[self.shown:]
         self.shown = len(self.text)

@@ -11,7 +11,6 @@ queue or is being answered, cancels its job at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -30,7 +29,8 @@ from starlette.middleware.cors import CORSMiddleware
 from ..errors import ConstraintError, ContextLengthError, EdgespecError, UsageError
 from . import worker
 from .guard import Guard, HostRule
-from .schemas import ApiError, ChatRequest, CompletionRequest, Envelope, error_body
+from . import anthropic, responses
+from .schemas import ApiError, ChatRequest, CompletionRequest, Envelope, Shape
 
 log = logging.getLogger("edgespec.server")
 
@@ -82,15 +82,19 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
     cors_origins = [o if o == "*" else o.strip().rstrip("/").lower() for o in cors_origins]
     if cors_origins:  # closed unless asked: a web page must not drive a local model by default
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"])
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
     # outermost: a request from a foreign page or a rebound DNS name is refused before anything
     app.add_middleware(Guard, hosts=hosts or HostRule(), origins=cors_origins)
 
-    # -- errors in OpenAI's shape ------------------------------------------------------------------
+    # -- errors in OpenAI's shape (Anthropic's under /v1/messages) ----------------------------------
+    def error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status, headers=exc.headers)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return error(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -100,10 +104,15 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None  # the body's field, as OpenAI names it
         if first.get("type") == "json_invalid":
-            message, param = "the request body is not valid JSON", None
+            why = str((first.get("ctx") or {}).get("error", ""))
+            if "recursion" in why.lower():  # valid JSON, nested deeper than the parser follows
+                message = "the request body nests JSON deeper than 200 levels: flatten it"
+            else:
+                message = "the request body is not valid JSON" + (f" ({why})" if why else "")
+            param = None
         else:
             message = f"{'.'.join(loc)}: {first['msg']}" if loc else str(first["msg"])
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return error(request, ApiError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -113,15 +122,14 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
             message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
         else:
             message, code = str(exc.detail), None
-        err = ApiError(exc.status_code, message, code=code)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return error(request, ApiError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
         # a bug must cost one request, never the server: uvicorn keeps running either way (and
         # logs the traceback, as Starlette re-raises after this), this keeps the answer in the
         # shape clients parse
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+        return error(request, ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
     # -- routes ----------------------------------------------------------------------------------
     def scheduler() -> worker.Scheduler:
@@ -134,10 +142,15 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         if key_bytes is None:
             return True
         # the header's bytes as sent (Starlette decodes headers as latin-1): a key outside ASCII
-        # arrives as its UTF-8 bytes
-        raw = next((v for k, v in request.scope["headers"] if k == b"authorization"), b"")
+        # arrives as its UTF-8 bytes. `Authorization: Bearer KEY` (OpenAI's clients) or
+        # `x-api-key: KEY` (Anthropic's)
+        headers = request.scope["headers"]
+        raw = next((v for k, v in headers if k == b"authorization"), b"")
         scheme, _, token = raw.partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key_bytes)
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key_bytes):
+            return True
+        other = next((v for k, v in headers if k == b"x-api-key"), None)
+        return other is not None and secrets.compare_digest(other.strip(), key_bytes)
 
     @app.get("/health")
     async def health(request: Request):
@@ -151,7 +164,7 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
 
     async def authorized(request: Request) -> None:
         if not key_ok(request):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
@@ -168,9 +181,9 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         room = body.requested_tokens() or 1
         prompt = await _prepare(lambda: s.engine.prepare_chat(messages, req, room=room, overflow=context_overflow),
                                 body.constraint()[1])
-        env = Envelope("chat", model_id)
+        env = Envelope("chat", model_id, body.include_usage)
         env.dropped_messages = prompt.dropped
-        return await _answer(s, request, env, body, lambda engine: engine.stream_prompt(prompt))
+        return await _answer(s, request, env, body.stream, lambda engine: engine.stream_prompt(prompt))
 
     @v1.post("/completions")
     async def completions(request: Request, body: CompletionRequest = Depends(_json(CompletionRequest))):
@@ -178,9 +191,44 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         prompt = body.engine_prompt()
         req = await _checked(body, _n_ctx(s))
         room = body.requested_tokens() or 1
-        ready = await _prepare(lambda: s.engine.prepare_prompt(prompt, req, room=room), body.constraint()[1])
-        return await _answer(s, request, Envelope("text", model_id), body,
+        ready = await _prepare(lambda: s.engine.prepare_prompt(prompt, req, room=room), body.constraint()[1],
+                               "prompt")
+        return await _answer(s, request, Envelope("text", model_id, body.include_usage), body.stream,
                              lambda engine: engine.stream_prompt(ready))
+
+    async def chat_like(request: Request, chat: ChatRequest, shape_for: Callable[[Any], Shape],
+                        overflow: str, api):
+        """A request of another API translated into `chat` (api: anthropic.py, responses.py):
+        checked, prepared and answered as a chat completion, written in the shape
+        `shape_for(prompt)` gives."""
+        s = scheduler()
+        try:
+            messages = chat.engine_messages()
+            req = await _checked(chat, _n_ctx(s))
+            room = chat.requested_tokens() or 1
+            prompt = await _prepare(lambda: s.engine.prepare_chat(messages, req, room=room, overflow=overflow),
+                                    chat.constraint()[1], api.PARAMS["messages"])
+        except ApiError as exc:  # named as the client's API names its fields
+            exc.param = api.PARAMS.get(exc.param, exc.param)
+            for ours, theirs in api.WORDS:
+                exc.message = exc.message.replace(ours, theirs)
+            raise
+        shape = shape_for(prompt)
+        shape.dropped_messages = prompt.dropped
+        return await _answer(s, request, shape, chat.stream, lambda engine: engine.stream_prompt(prompt))
+
+    @v1.post("/messages")
+    async def messages(request: Request, body: anthropic.MessagesRequest = Depends(_json(anthropic.MessagesRequest))):
+        chat = body.chat()
+        return await chat_like(request, chat, lambda prompt: anthropic.Shape(model_id, body, len(prompt.tokens)),
+                               context_overflow, anthropic)
+
+    @v1.post("/responses")
+    async def create_response(request: Request,
+                              body: responses.ResponsesRequest = Depends(_json(responses.ResponsesRequest))):
+        chat = body.chat()
+        overflow = "drop-oldest" if body.truncation == "auto" else context_overflow
+        return await chat_like(request, chat, lambda prompt: responses.Shape(model_id, body), overflow, responses)
 
     app.include_router(v1)
     return app
@@ -193,14 +241,15 @@ async def _checked(body, n_ctx: int):
     return await anyio.to_thread.run_sync(body.engine_request, n_ctx)
 
 
-async def _prepare(prepare: Callable[[], Any], constraint_field: Optional[str] = None) -> Any:
+async def _prepare(prepare: Callable[[], Any], constraint_field: Optional[str] = None,
+                   prompt_field: str = "messages") -> Any:
     """Tokenize a prompt, check it against the context and compile its constraint (the first one
     builds llguidance's tokenizer, about a second) on a worker thread, not the engine's (which
     generates meanwhile) nor the event loop: the queue only ever holds work that fits."""
     try:
         return await anyio.to_thread.run_sync(prepare)
     except EdgespecError as exc:
-        raise _failure(exc, constraint_field) from None
+        raise _failure(exc, constraint_field, prompt_field) from None
 
 
 def _json(model: type[BaseModel]):
@@ -232,10 +281,6 @@ def _ready(s: worker.Scheduler) -> None:
                        code="model_loading", headers={"Retry-After": "5"})
     if s.state != "ready":
         raise ApiError(503, f"the model is not available ({s.state})", code="model_unavailable")
-
-
-def _dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 class _ClientGone(Exception):
@@ -274,11 +319,11 @@ async def _collect(job: worker.Job) -> tuple[str, tuple]:
             return "".join(parts), (kind, value)
 
 
-def _failure(exc: BaseException, constraint_field: Optional[str] = None) -> ApiError:
+def _failure(exc: BaseException, constraint_field: Optional[str] = None, prompt_field: str = "messages") -> ApiError:
     if isinstance(exc, ConstraintError):  # a schema or grammar nothing satisfies: the field it came in
         return ApiError(400, str(exc), param=constraint_field)
     if isinstance(exc, ContextLengthError):  # OpenAI's code, which clients act on (trim, summarise)
-        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
+        return ApiError(400, str(exc), code="context_length_exceeded", param=prompt_field)
     if isinstance(exc, UsageError):  # prompt too long for the context, bad token ids, template failure
         return ApiError(400, str(exc))
     if isinstance(exc, EdgespecError):
@@ -290,7 +335,7 @@ def _cancelled() -> ApiError:
     return ApiError(503, "the server is shutting down", code="shutting_down")
 
 
-async def _answer(s: worker.Scheduler, request: Request, env: Envelope, body, opener: Callable):
+async def _answer(s: worker.Scheduler, request: Request, shape: Shape, stream: Optional[bool], opener: Callable):
     _ready(s)
     try:
         job = s.submit(opener)
@@ -301,10 +346,10 @@ async def _answer(s: worker.Scheduler, request: Request, env: Envelope, body, op
     try:
         kind, value = await _unless_gone(request, job, job.next())
         if kind == worker.ERROR:
-            raise _failure(value)
+            raise _failure(value, prompt_field=shape.prompt_field)
         if kind == worker.CANCELLED:
             raise _cancelled()
-        if body.stream:
+        if stream:
             # the job belongs to the event stream from here on; it cancels it when the client goes
             owned, job = job, None
             # on shutdown sse-starlette sets this event, then waits the grace period before it
@@ -318,16 +363,16 @@ async def _answer(s: worker.Scheduler, request: Request, env: Envelope, body, op
                 # closing the iterator would not reach the job
                 watcher.cancel()
                 owned.cancel()
-            return EventSourceResponse(_events(owned, env, body.include_usage, watcher), sep="\n",
+            return EventSourceResponse(_events(owned, shape, watcher), sep="\n",
                                        client_close_handler_callable=client_closed,
                                        shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
         text, (kind, value) = await _unless_gone(request, job, _collect(job))
         if kind == worker.ERROR:
-            raise _failure(value)
+            raise _failure(value, prompt_field=shape.prompt_field)
         stats, reason, calls = value
         if reason == "cancelled":
             raise _cancelled()
-        return JSONResponse(env.whole(text.strip() if calls else text, stats, reason, calls))
+        return JSONResponse(shape.whole(text.strip() if calls else text, stats, reason, calls))
     except _ClientGone:
         return Response(status_code=204)  # nobody reads it
     finally:
@@ -340,33 +385,30 @@ async def _cancel_when(event: anyio.Event, job: worker.Job) -> None:
     job.cancel()
 
 
-async def _events(job: worker.Job, env: Envelope, include_usage: bool, watcher: asyncio.Future):
-    """SSE data for one streamed answer; sse-starlette closes this generator (and so cancels the
-    job) as soon as the client disconnects."""
+async def _events(job: worker.Job, shape: Shape, watcher: asyncio.Future):
+    """SSE items for one streamed answer, in `shape`'s API; sse-starlette closes this generator
+    (and so cancels the job) as soon as the client disconnects."""
     try:
-        if env.chat:  # OpenAI's streams open with the role
-            yield _dumps(env.chunk("", role=True))
+        for item in shape.opening():
+            yield item
         while True:
             kind, value = await job.next()
             if kind == worker.TEXT:
-                yield _dumps(env.chunk(value))
+                for item in shape.text(value):
+                    yield item
                 continue
             if kind == worker.END:
                 stats, reason, calls = value
                 if reason != "cancelled":
-                    for chunk in env.tool_call_chunks(calls):
-                        yield _dumps(chunk)
-                    yield _dumps(env.last(stats, reason))
-                    if include_usage:
-                        yield _dumps(env.usage_chunk(stats))
-                    break
+                    for item in shape.closing(stats, reason, calls):
+                        yield item
+                    return
                 err = _cancelled()
             else:
-                err = _failure(value) if kind == worker.ERROR else _cancelled()
-            # after the headers an error can only travel in the stream; OpenAI's clients raise it
-            yield _dumps(err.body())
-            break
-        yield "[DONE]"
+                err = _failure(value, prompt_field=shape.prompt_field) if kind == worker.ERROR else _cancelled()
+            for item in shape.failure(err):
+                yield item
+            return
     finally:
         watcher.cancel()
         job.cancel()
@@ -382,8 +424,8 @@ class _BodyLimit:
         if scope["type"] == "http":
             length = dict(scope["headers"]).get(b"content-length")
             if length is not None and (not length.isdigit() or int(length) > self.limit):
-                response = JSONResponse(
-                    ApiError(413, f"the request body is over {self.limit // 2**20} MiB").body(), status_code=413)
+                response = JSONResponse(ApiError(413, f"the request body is over {self.limit // 2**20} MiB"
+                                                 ).body_for(scope.get("path", "")), status_code=413)
                 await response(scope, receive, send)
                 return
             receive = self._counting(receive)

@@ -8,7 +8,7 @@ too. Browsers mark the first with an `Origin` header and the second with a forei
 - the `Host` must name this server: its loopback names (127.0.0.1, localhost, [::1]) with its
   port, the address it listens on, or names allowed with `--allowed-host`;
 - bodies must be sent as application/json (app.py), which a page can only do after a preflight.
-Refusals are 403 in OpenAI's error shape, before any route runs.
+Refusals are 403 in OpenAI's error shape (Anthropic's under /v1/messages), before any route runs.
 """
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ class Guard:
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
-                response = JSONResponse(ApiError(403, error, code="forbidden").body(), status_code=403)
+                response = JSONResponse(ApiError(403, error, code="forbidden").body_for(scope.get("path", "")),
+                                        status_code=403)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -38,6 +38,23 @@ class ApiError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
+    # Anthropic's error types by status (its Messages API: {"type": "error", "error": {...}})
+    ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                       404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                       415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
+
+    def anthropic_body(self) -> dict:
+        kind = self.ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def body_for(self, path: str) -> dict:
+        """The error in the shape of the API `path` belongs to."""
+        return self.anthropic_body() if is_anthropic(path) else self.body()
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
 
 def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -298,6 +315,26 @@ def usage(stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.reused_prompt_tokens}}
 
 
+def timings(stats) -> dict:
+    """The same report in llama.cpp's server's names (its `timings` object), for tools written for
+    llama-server. predicted_per_second is the decode rate after the first token, as edgespec's own."""
+    prompt_n = max(0, stats.prompt_tokens - stats.reused_prompt_tokens)
+    prompt_ms, predicted_ms = stats.prompt_seconds * 1000, stats.decode_seconds * 1000
+    return {"cache_n": stats.reused_prompt_tokens, "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
+            "prompt_per_second": (round(prompt_n / stats.prompt_seconds, 2)
+                                  if prompt_n and stats.prompt_seconds else 0.0),
+            "predicted_n": stats.generated, "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_token_ms": round(predicted_ms / (stats.generated - 1), 3) if stats.generated > 1 else 0.0,
+            "predicted_per_second": round(stats.tokens_per_second, 2),
+            "draft_n": stats.drafted, "draft_n_accepted": stats.accepted}
+
+
+def dumps(obj) -> str:
+    import json
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
 def speculation(stats, reason: str) -> dict:
     """The `edgespec` extension field: what speculation did for this request."""
     return {"drafter": stats.drafter, "drafted": stats.drafted, "accepted": stats.accepted,
@@ -308,12 +345,44 @@ def speculation(stats, reason: str) -> dict:
             "tokens_per_second": round(stats.tokens_per_second, 2), "finish_reason": reason}
 
 
-class Envelope:
-    """id, object, created and model, shared by every chunk of one response."""
+class Shape:
+    """How one API writes an answer: whole (`whole`), or as server-sent events, each item a data
+    string or an {"event", "data"} dict: `opening()` once the request is accepted, `text(piece)`
+    per piece, then `closing(stats, reason, calls)` or `failure(error)`."""
 
-    def __init__(self, kind: str, model: str):
-        self.dropped_messages = 0  # --context-overflow drop-oldest: turns left out of the prompt
+    prompt_field = "messages"   # the request field a context error names
+    dropped_messages = 0        # --context-overflow drop-oldest: turns left out of the prompt
+
+    def whole(self, text: str, stats, reason: str, tool_calls=()) -> dict:
+        raise NotImplementedError
+
+    def opening(self) -> list:
+        return []
+
+    def text(self, piece: str) -> list:
+        raise NotImplementedError
+
+    def closing(self, stats, reason: str, tool_calls) -> list:
+        raise NotImplementedError
+
+    def failure(self, err: ApiError) -> list:
+        raise NotImplementedError
+
+    def _extension(self, stats, reason: str) -> dict:
+        out = speculation(stats, reason)
+        if self.dropped_messages:
+            out["dropped_messages"] = self.dropped_messages
+        return out
+
+
+class Envelope(Shape):
+    """OpenAI's chat and text completions: id, object, created and model, shared by every chunk
+    of one response."""
+
+    def __init__(self, kind: str, model: str, include_usage: bool = False):
         self.chat = kind == "chat"
+        self.include_usage = include_usage
+        self.prompt_field = "messages" if self.chat else "prompt"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
@@ -332,13 +401,24 @@ class Envelope:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=finish_reason(reason))
         return {**self._head(False), "choices": [choice], "usage": usage(stats),
-                "edgespec": self._extension(stats, reason)}
+                "timings": timings(stats), "edgespec": self._extension(stats, reason)}
 
-    def _extension(self, stats, reason: str) -> dict:
-        out = speculation(stats, reason)
-        if self.dropped_messages:
-            out["dropped_messages"] = self.dropped_messages
-        return out
+    # -- as a stream: data-only events, ended by [DONE] --------------------------------------------
+    def opening(self) -> list:
+        return [dumps(self.chunk("", role=True))] if self.chat else []  # OpenAI's chat streams open with the role
+
+    def text(self, piece: str) -> list:
+        return [dumps(self.chunk(piece))]
+
+    def closing(self, stats, reason: str, tool_calls) -> list:
+        out = [dumps(c) for c in self.tool_call_chunks(tool_calls)] + [dumps(self.last(stats, reason))]
+        if self.include_usage:
+            out.append(dumps(self.usage_chunk(stats)))
+        return out + ["[DONE]"]
+
+    def failure(self, err: ApiError) -> list:
+        # after the headers an error can only travel in the stream; OpenAI's clients raise it
+        return [dumps(err.body()), "[DONE]"]
 
     def chunk(self, text: Optional[str], *, role: bool = False, reason: Optional[str] = None) -> dict:
         if self.chat:
@@ -355,6 +435,7 @@ class Envelope:
 
     def last(self, stats, reason: str) -> dict:
         out = self.chunk(None if self.chat else "", reason=reason)
+        out["timings"] = timings(stats)
         out["edgespec"] = self._extension(stats, reason)
         return out
 

@@ -140,7 +140,7 @@ class Job:
                     if self._cancel.is_set():  # do not finish a round's accepted tokens for nobody
                         break
         except Exception as exc:
-            log.exception("generation failed")
+            log.exception("generation failed: %s: %s", type(exc).__name__, exc)
             self._emit(ERROR, exc)
             return
         finally:

@@ -1,0 +1,295 @@
+"""OpenAI's Responses API (`POST /v1/responses`), the subset agents use without server state.
+
+As anthropic.py, the body is translated into the chat request this server already answers:
+`instructions` becomes the system message, `input` (a string, or items: messages,
+`function_call`, `function_call_output`) the conversation, `tools` of type function the
+functions, `text.format` (json_schema, json_object) the constraint, `max_output_tokens` the
+limit, `truncation: "auto"` drops the oldest turns when the context is full. The answer comes
+back as `output` items (a message with `output_text`, `function_call`s) and `output_text`, or
+streamed as the Responses events (response.created ... response.completed).
+
+Nothing is stored: `previous_response_id` and `conversation` are refused with a 400 that says
+to send the whole conversation in `input`; `store` is accepted and keeps nothing.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Optional, Union
+
+from pydantic import ConfigDict
+
+from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, timings
+
+IGNORED = frozenset({"metadata", "user", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                     "reasoning", "include", "stream_options", "top_logprobs", "background", "prompt_cache_retention"})
+NEUTRAL = {"background": lambda v: not v, "top_logprobs": lambda v: not v}
+WORDS = ((".function.parameters", ".parameters"), ("max_tokens", "max_output_tokens"))
+PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
+          "tools": "tools", "tool_choice": "tool_choice"}
+
+
+class ResponsesRequest(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Optional[str] = None
+    input: Union[str, list]
+    instructions: Optional[str] = None
+    tools: Optional[list] = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: Optional[bool] = None
+    truncation: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    conversation: Union[str, dict, None] = None
+
+    def _check_extra(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name not in IGNORED:
+                raise ApiError(400, f"unknown field {name!r}: this server does not implement it; leave it out",
+                               param=name)
+            test = NEUTRAL.get(name)
+            if test is not None and not test(value):
+                raise ApiError(400, f"{name} is not supported by this server: leave it out", param=name)
+        if self.previous_response_id is not None or self.conversation is not None:
+            field = "previous_response_id" if self.previous_response_id is not None else "conversation"
+            raise ApiError(400, f"{field}: this server keeps no responses or conversations; send the whole "
+                           "conversation in input", param=field)
+        if self.truncation not in (None, "disabled", "auto"):
+            raise ApiError(400, f"truncation must be 'disabled' or 'auto', got {self.truncation!r}",
+                           param="truncation")
+
+    def chat(self) -> ChatRequest:
+        """The chat request this body asks for (ApiError 400 naming what is wrong)."""
+        self._check_extra()
+        body = {"messages": self._messages(), "stream": bool(self.stream)}
+        for ours, theirs in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature),
+                             ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls)):
+            if theirs is not None:
+                body[ours] = theirs
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ApiError(400, f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
+                           param="max_output_tokens")
+        if self.tools:
+            body["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _choice(self.tool_choice)
+        fmt = _format(self.text)
+        if fmt is not None:
+            body["response_format"] = fmt
+        return ChatRequest.model_validate(body)
+
+    def _messages(self) -> list[dict]:
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        if not items:
+            raise ApiError(400, "input: give the prompt as a string or a non-empty list of items", param="input")
+        for i, item in enumerate(items):
+            where = f"input.{i}"
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind == "message":
+                role = item.get("role")
+                if role not in ("user", "system", "developer", "assistant"):
+                    raise ApiError(400, f"{where}.role: must be user, system, developer or assistant, got {role!r}",
+                                   param="input")
+                out.append({"role": "system" if role == "developer" else role,
+                            "content": _content(item.get("content"), f"{where}.content")})
+            elif kind == "function_call":
+                name, cid, args = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
+                if not (isinstance(name, str) and isinstance(cid, str) and isinstance(args, str)):
+                    raise ApiError(400, f"{where}: a function_call item has string name, call_id and arguments",
+                                   param="input")
+                call = {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":  # the same turn: its text and calls
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                cid, output = item.get("call_id"), item.get("output", "")
+                if not isinstance(cid, str):
+                    raise ApiError(400, f"{where}: a function_call_output item names its call in call_id",
+                                   param="input")
+                out.append({"role": "tool", "tool_call_id": cid, "content": _content(output, f"{where}.output")})
+            elif kind == "reasoning":
+                continue  # an earlier answer's reasoning: not part of what the model reads back
+            else:
+                raise ApiError(400, f"{where}: items of type {kind!r} are not served here (message, function_call "
+                               "and function_call_output are)", param="input")
+        return out
+
+
+def _content(value, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ApiError(400, f"{where}: must be text or a list of text parts", param="input")
+    parts = []
+    for j, p in enumerate(value):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(p.get("text"), str):
+            parts.append(p["text"])
+        elif kind == "refusal":
+            continue
+        else:
+            raise ApiError(400, f"{where}.{j}: a {kind!r} part is not served here; this server's models read text",
+                           param="input")
+    return "".join(parts)
+
+
+def _tool(i: int, t) -> dict:
+    if not isinstance(t, dict) or t.get("type") != "function":
+        kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+        raise ApiError(400, f"tools.{i}: tool type {kind!r} is not served here; only type 'function' is",
+                       param="tools")
+    fn = {"name": t.get("name"), "description": t.get("description") or ""}
+    if t.get("parameters") is not None:
+        fn["parameters"] = t["parameters"]
+    return {"type": "function", "function": fn}
+
+
+def _choice(c):
+    if isinstance(c, str):
+        return c
+    if isinstance(c, dict) and c.get("type") == "function" and isinstance(c.get("name"), str):
+        return {"type": "function", "function": {"name": c["name"]}}
+    raise ApiError(400, "tool_choice must be auto, none, required or {'type': 'function', 'name': ...}",
+                   param="tool_choice")
+
+
+def _format(text: Optional[dict]) -> Optional[dict]:
+    if text is None:
+        return None
+    fmt = text.get("format")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise ApiError(400, "text.format: a json_schema format has {'name', 'schema': {...}}", param="text.format")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "answer", "schema": fmt["schema"]}}
+    raise ApiError(400, f"text.format.type must be text, json_object or json_schema, got {kind!r}",
+                   param="text.format")
+
+
+class Shape(_Shape):
+    """An answer as the Responses API writes it: a response object with output items, or its
+    events, each with a sequence number."""
+
+    prompt_field = "input"
+
+    def __init__(self, model: str, body: ResponsesRequest):
+        self.id = "resp_" + secrets.token_hex(12)
+        self.msg_id = "msg_" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model, self.body = model, body
+        self.seq = 0
+        self.parts: list[str] = []   # streamed text so far
+        self.message_open = False
+
+    def _response(self, status: str, output: list, stats=None, reason: Optional[str] = None) -> dict:
+        b = self.body
+        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+               "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
+               "output": output, "parallel_tool_calls": bool(b.parallel_tool_calls),
+               "previous_response_id": None, "reasoning": None, "store": False,
+               "temperature": 1.0 if b.temperature is None else b.temperature,
+               "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
+               "tools": b.tools or [], "top_p": 1.0 if b.top_p is None else b.top_p,
+               "truncation": b.truncation or "disabled", "metadata": {}, "usage": None}
+        if stats is not None:
+            out["output_text"] = "".join(p["text"] for item in output if item["type"] == "message"
+                                         for p in item["content"] if p["type"] == "output_text")
+            out["usage"] = {"input_tokens": stats.prompt_tokens,
+                            "input_tokens_details": {"cached_tokens": stats.reused_prompt_tokens},
+                            "output_tokens": stats.generated, "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": stats.prompt_tokens + stats.generated}
+            out["timings"] = timings(stats)
+            out["edgespec"] = self._extension(stats, reason)
+        return out
+
+    @staticmethod
+    def _status(reason: str) -> str:
+        return "incomplete" if reason in ("length", "context") else "completed"
+
+    def _message(self, text: str, status: str) -> dict:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+    @staticmethod
+    def _call(c) -> dict:
+        return {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": c.id, "name": c.name,
+                "arguments": json.dumps(c.arguments, ensure_ascii=False), "status": "completed"}
+
+    def whole(self, text: str, stats, reason: str, tool_calls=()) -> dict:
+        status = self._status(reason)
+        output = [self._message(text, status)] if text or not tool_calls else []
+        output += [self._call(c) for c in tool_calls]
+        return self._response(status, output, stats, reason)
+
+    # -- the event stream -------------------------------------------------------------------------
+    def _event(self, kind: str, **fields) -> dict:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return {"event": kind, "data": json.dumps(data, separators=(",", ":"), ensure_ascii=False)}
+
+    def opening(self) -> list:
+        head = self._response("in_progress", [])
+        return [self._event("response.created", response=head), self._event("response.in_progress", response=head)]
+
+    def _open_message(self) -> list:
+        self.message_open = True
+        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
+        return [self._event("response.output_item.added", output_index=0, item=item),
+                self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []})]
+
+    def text(self, piece: str) -> list:
+        out = [] if self.message_open else self._open_message()
+        self.parts.append(piece)
+        return out + [self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
+                                  content_index=0, delta=piece, logprobs=[])]
+
+    def closing(self, stats, reason: str, tool_calls) -> list:
+        out, output = [], []
+        status = self._status(reason)
+        if not self.message_open and not tool_calls:
+            out += self._open_message()
+        if self.message_open:
+            text = "".join(self.parts)
+            if tool_calls:
+                text = text.strip()  # as the whole answer has it
+            message = self._message(text, status)
+            out += [self._event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
+                                text=text, logprobs=[]),
+                    self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
+                                part=message["content"][0]),
+                    self._event("response.output_item.done", output_index=0, item=message)]
+            output.append(message)
+        for c in tool_calls:
+            item = self._call(c)
+            i = len(output)
+            out += [self._event("response.output_item.added", output_index=i,
+                                item=dict(item, arguments="", status="in_progress")),
+                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                                delta=item["arguments"]),
+                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=i, item=item)]
+            output.append(item)
+        # response.completed also when the limit cut the answer (its status says "incomplete"), as vLLM
+        # does: the openai client's stream helpers wait for that event (OpenAI sends response.incomplete)
+        return out + [self._event("response.completed", response=self._response(status, output, stats, reason))]
+
+    def failure(self, err: ApiError) -> list:
+        # the openai client raises an `error` event that carries an "error" object
+        return [self._event("error", code=err.code, message=err.message, param=err.param,
+                            error={"type": err.type, "code": err.code, "message": err.message, "param": err.param})]

@@ -184,8 +184,37 @@ def test_tool_calls_on_the_qwen_pair_in_its_own_format(qwen_pair, tmp_path):
             args, answer = _calls_loop(client)
             assert args == {"city": "Paris", "unit": "celsius"}  # the user's values
             assert "17" in answer
+            # the Responses API: the same call, as a function_call item
+            r = client.responses.create(model="x", input="What's the weather in Paris, in celsius?", temperature=0,
+                                        tools=[{"type": "function", **TOOLS[0]["function"]}], tool_choice="required",
+                                        max_output_tokens=64)
+            call = [o for o in r.output if o.type == "function_call"][0]
+            assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
+        _anthropic_round_trip(srv.url)
     finally:
         assert srv.stop() == 0
+
+
+def _anthropic_round_trip(url: str) -> None:
+    """Anthropic's Messages API on the Qwen pair: a forced tool_use in its <tool_call> format, whose
+    input validates, and its tool_result answered in text."""
+    import anthropic
+    import jsonschema
+    fn = TOOLS[0]["function"]
+    tools = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}]
+    ask = [{"role": "user", "content": "What's the weather in Paris, in celsius?"}]
+    with anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=600) as c:
+        msg = c.messages.create(model="x", max_tokens=64, messages=ask, tools=tools, tool_choice={"type": "any"},
+                                extra_body={"temperature": 0})
+        use = [b for b in msg.content if b.type == "tool_use"]
+        assert msg.stop_reason == "tool_use" and len(use) == 1
+        jsonschema.validate(use[0].input, fn["parameters"])
+        convo = ask + [{"role": "assistant", "content": msg.content},
+                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                                     "content": '{"temperature": 17}'}]}]
+        back = c.messages.create(model="x", max_tokens=40, messages=convo, tools=tools, tool_choice={"type": "none"},
+                                 extra_body={"temperature": 0})
+        assert back.stop_reason in ("end_turn", "max_tokens") and "17" in back.content[0].text
 
 
 def test_llama3_and_mistral_formats_on_fixed_strings():

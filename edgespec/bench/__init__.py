@@ -54,6 +54,8 @@ class Options:
     acceptance: bool = False
     out: str = "bench-results/bench.json"
     parallel_requests: Optional[int] = None  # N: the several-requests benchmark (bench/parallel.py)
+    peer: Optional[str] = None               # "llama-server": the peer benchmark (bench/llama_server.py)
+    llama_server: Optional[str] = None       # its binary (None: found or built)
 
     @property
     def structured(self) -> bool:
@@ -80,6 +82,13 @@ class Options:
             if self.structured or self.sweep or self.acceptance or self.trials != 1 or self.modes != ("auto",):
                 raise UsageError("--parallel-requests runs on its own (auto against plain decoding, one trial): "
                                  "leave out --kinds structured, --modes, --sweep, --acceptance and --trials")
+        if self.peer is not None:
+            if self.peer != "llama-server":
+                raise UsageError(f"--peer takes llama-server, got {self.peer!r}")
+            if self.structured or self.sweep or self.acceptance or self.parallel_requests is not None \
+                    or self.modes != ("auto",):
+                raise UsageError("--peer llama-server runs on its own (its five servers): leave out --kinds "
+                                 "structured, --modes, --sweep, --acceptance and --parallel-requests")
         return self
 
 
@@ -105,6 +114,13 @@ def add_arguments(p) -> None:
     p.add_argument("--parallel-requests", nargs="?", type=int, const=4, default=None, metavar="N",
                    help="instead: N requests (default 4) one after another and then at once on one engine "
                    "with parallel=N, auto and plain, and a short request beside a long answer (bench/parallel.py)")
+    p.add_argument("--peer", default=None, choices=("llama-server",),
+                   help="instead: llama.cpp's llama-server (plain, draft-simple, ngram-mod) beside edgespec serve "
+                   "(none, auto) on the same GGUFs through the same endpoint, interleaved; --trials defaults to 2 "
+                   "(bench/llama_server.py)")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="with --peer: the llama-server binary (default $LLAMA_SERVER, else built once from the "
+                   "llama.cpp that llama-cpp-python vendors, ~12 minutes on 2 cores)")
 
 
 def options_from_args(args) -> Options:
@@ -120,7 +136,8 @@ def options_from_args(args) -> Options:
     return Options(workloads=args.workloads, kinds=args.kinds, limit=args.limit, bench_tokens=tokens,
                    trials=args.trials, modes=tuple(m for m in modes.split(",") if m), sweep=sweep,
                    acceptance=args.acceptance, out=args.out,
-                   parallel_requests=getattr(args, "parallel_requests", None)).validate()
+                   parallel_requests=getattr(args, "parallel_requests", None), peer=getattr(args, "peer", None),
+                   llama_server=getattr(args, "llama_server", None)).validate()
 
 
 def _structured_modes() -> tuple[str, ...]:
@@ -211,6 +228,9 @@ def main(settings, opts: Options, progress=None) -> int:
     if opts.parallel_requests is not None:
         from . import parallel
         return parallel.main(settings, opts, progress)
+    if opts.peer is not None:
+        from . import llama_server
+        return llama_server.main(settings, opts, progress, opts.llama_server)
     items = load_workloads(opts.workloads or str(default_workloads()), opts.kinds, opts.limit)
     if settings.memory_budget is not None:
         from .memory import memory_bench

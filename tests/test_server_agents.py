@@ -238,3 +238,29 @@ def test_probe_fixes_at_the_server(server, oai):
                    headers=auth, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_messages_takes_what_claude_code_sends_and_counts_tokens(claude, solo):
+    body = dict(model="local", max_tokens=32000, system=SYSTEM, messages=ASK,  # beyond the 1,024-token context
+                metadata={"user_id": "u1"}, thinking={"type": "enabled", "budget_tokens": 1024},
+                extra_body={"temperature": 0, "max_tokens": 16, "context_management": {
+                    "edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
+    msg = claude.messages.create(**body)  # max_tokens is a cap there: the answer ends at 16 here
+    ref = solo([{"role": "system", "content": SYSTEM}, *ASK], max_tokens=16)
+    assert msg.content[0].text == ref.text
+    big = claude.messages.create(model="local", max_tokens=32000, system=SYSTEM, messages=ASK, stop_sequences=["."],
+                                 extra_body={"temperature": 0})
+    assert big.stop_reason in ("stop_sequence", "end_turn") and big.content[0].text
+    counted = claude.messages.count_tokens(model="local", system=SYSTEM, messages=ASK)
+    assert counted.input_tokens == ref.stats.prompt_tokens
+    with pytest.raises(anthropic.BadRequestError, match="role"):
+        claude.messages.count_tokens(model="local", messages=[{"role": "tool", "content": "x"}])
+
+
+def test_responses_merges_instructions_and_developer_items_and_reports_cache_writes(oai, solo):
+    r = oai.responses.create(model="local", instructions="You are terse.", max_output_tokens=16, temperature=0,
+                             input=[{"role": "developer", "content": "Answer in English."},
+                                    {"role": "user", "content": "What is a mutex?"}])
+    ref = solo([{"role": "system", "content": "You are terse.\n\nAnswer in English."}, *ASK], max_tokens=16)
+    assert r.output_text == ref.text
+    assert r.usage.input_tokens_details.cache_write_tokens == 0

@@ -30,16 +30,16 @@ from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, timings
 IGNORED = frozenset({"metadata", "service_tier", "thinking", "anthropic_version", "container",
                      "context_management", "mcp_servers", "cache_control", "inference_geo", "speed", "diagnostics",
                      "user_profile_id", "workspace_id"})
-NEUTRAL = {"container": lambda v: v is None, "context_management": lambda v: v is None,
-           "mcp_servers": lambda v: not v}
+# context_management (Claude Code sends it: clearing old thinking or tool results) is taken as
+# "keep everything": the conversation as sent is what the model reads
+NEUTRAL = {"container": lambda v: v is None, "mcp_servers": lambda v: not v}
 # the translated request's field names -> this API's, for the errors
 PARAMS = {"max_tokens": "max_tokens", "stop": "stop_sequences", "tools": "tools", "tool_choice": "tool_choice",
           "messages": "messages", "response_format": "output_config"}
 # ... and in the errors' text
-WORDS = ((".function.parameters", ".input_schema"), ("tool_choice must be auto, none, required or a function",
-                                                     "tool_choice must be auto, any, tool or none"))
-STOP_REASONS = {"eos": "end_turn", "stop": "end_turn", "length": "max_tokens", "context": "max_tokens",
-                "tool_calls": "tool_use"}
+WORDS = ((".function.parameters", ".input_schema"), ("response_format", "output_config.format"))
+STOP_REASONS = {"eos": "end_turn", "stop": "end_turn", "length": "max_tokens",
+                "context": "model_context_window_exceeded", "tool_calls": "tool_use"}
 
 
 class MessagesRequest(_Body):
@@ -142,6 +142,11 @@ class MessagesRequest(_Body):
         return out
 
 
+class CountRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages body without max_tokens; the prompt's tokens."""
+    max_tokens: int = 1
+
+
 def _text(value, where: str) -> str:
     if isinstance(value, str):
         return value
@@ -167,6 +172,8 @@ def _result(b: dict, where: str) -> dict:
     if not isinstance(cid, str):
         raise ApiError(400, f"{where}: a tool_result block names the call it answers in tool_use_id",
                        param=where.rsplit(".content", 1)[0])
+    if isinstance(content, list):  # references to tools found by tool search are no text to read back
+        content = [b for b in content if not (isinstance(b, dict) and b.get("type") == "tool_reference")]
     text = _text(content, f"{where}.content") if content else ""
     if b.get("is_error"):
         text = f"Error: {text}"

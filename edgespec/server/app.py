@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from contextlib import asynccontextmanager
 from typing import Any, Callable, Optional, Sequence
 
@@ -197,7 +198,7 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
                              lambda engine: engine.stream_prompt(ready))
 
     async def chat_like(request: Request, chat: ChatRequest, shape_for: Callable[[Any], Shape],
-                        overflow: str, api):
+                        overflow: str, api, reserve: bool = True):
         """A request of another API translated into `chat` (api: anthropic.py, responses.py):
         checked, prepared and answered as a chat completion, written in the shape
         `shape_for(prompt)` gives."""
@@ -205,7 +206,9 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         try:
             messages = chat.engine_messages()
             req = await _checked(chat, _n_ctx(s))
-            room = chat.requested_tokens() or 1
+            # reserve: the answer's limit must fit beside the prompt (OpenAI's rule); else it is a
+            # cap, and a full context ends the answer (Anthropic's, whose max_tokens is required)
+            room = (chat.requested_tokens() or 1) if reserve else 1
             prompt = await _prepare(lambda: s.engine.prepare_chat(messages, req, room=room, overflow=overflow),
                                     chat.constraint()[1], api.PARAMS["messages"])
         except ApiError as exc:  # named as the client's API names its fields
@@ -221,7 +224,22 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
     async def messages(request: Request, body: anthropic.MessagesRequest = Depends(_json(anthropic.MessagesRequest))):
         chat = body.chat()
         return await chat_like(request, chat, lambda prompt: anthropic.Shape(model_id, body, len(prompt.tokens)),
-                               context_overflow, anthropic)
+                               context_overflow, anthropic, reserve=False)
+
+    @v1.post("/messages/count_tokens")
+    async def count_tokens(request: Request,
+                           body: anthropic.CountRequest = Depends(_json(anthropic.CountRequest))):
+        s = scheduler()
+        chat = body.chat()
+        try:
+            messages = chat.engine_messages()
+            req = await _checked(chat, _n_ctx(s))
+            prompt = await _prepare(lambda: s.engine.prepare_chat(messages, req, room=1), chat.constraint()[1])
+        except ApiError as exc:
+            for ours, theirs in anthropic.WORDS:
+                exc.message = exc.message.replace(ours, theirs)
+            raise
+        return {"input_tokens": len(prompt.tokens)}
 
     @v1.post("/responses")
     async def create_response(request: Request,
@@ -257,6 +275,7 @@ def _json(model: type[BaseModel]):
     RequestValidationError handler like FastAPI's own. The body must say it is JSON: a browser
     sends text/plain or a form type across sites without asking first (no CORS preflight)."""
     async def parse(request: Request) -> BaseModel:
+        request.state.t0 = time.perf_counter()  # the request's own clock (edgespec.server_seconds)
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
             raise ApiError(415, f"the request body must be JSON sent as 'Content-Type: application/json', "
@@ -337,6 +356,8 @@ def _cancelled() -> ApiError:
 
 async def _answer(s: worker.Scheduler, request: Request, shape: Shape, stream: Optional[bool], opener: Callable):
     _ready(s)
+    shape.clock["t0"] = getattr(request.state, "t0", None) or time.perf_counter()
+    shape.clock["queued"] = time.perf_counter()
     try:
         job = s.submit(opener)
     except worker.QueueFull:
@@ -345,6 +366,7 @@ async def _answer(s: worker.Scheduler, request: Request, shape: Shape, stream: O
                        code="queue_full", headers={"Retry-After": "1"}) from None
     try:
         kind, value = await _unless_gone(request, job, job.next())
+        shape.clock["started"] = time.perf_counter()
         if kind == worker.ERROR:
             raise _failure(value, prompt_field=shape.prompt_field)
         if kind == worker.CANCELLED:

@@ -25,7 +25,8 @@ from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, timings
 IGNORED = frozenset({"metadata", "user", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                      "reasoning", "include", "stream_options", "top_logprobs", "background", "prompt_cache_retention"})
 NEUTRAL = {"background": lambda v: not v, "top_logprobs": lambda v: not v}
-WORDS = ((".function.parameters", ".parameters"), ("max_tokens", "max_output_tokens"))
+WORDS = ((".function.parameters", ".parameters"), ("max_tokens", "max_output_tokens"),
+         ("response_format", "text.format"))
 PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
           "tools": "tools", "tool_choice": "tool_choice"}
 
@@ -97,8 +98,12 @@ class ResponsesRequest(_Body):
                 if role not in ("user", "system", "developer", "assistant"):
                     raise ApiError(400, f"{where}.role: must be user, system, developer or assistant, got {role!r}",
                                    param="input")
-                out.append({"role": "system" if role == "developer" else role,
-                            "content": _content(item.get("content"), f"{where}.content")})
+                role = "system" if role == "developer" else role
+                text = _content(item.get("content"), f"{where}.content")
+                if role == "system" and out and all(m["role"] == "system" for m in out):
+                    out[-1]["content"] += "\n\n" + text  # instructions and developer items: one system turn
+                else:
+                    out.append({"role": role, "content": text})
             elif kind == "function_call":
                 name, cid, args = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
                 if not (isinstance(name, str) and isinstance(cid, str) and isinstance(args, str)):
@@ -209,7 +214,8 @@ class Shape(_Shape):
             out["output_text"] = "".join(p["text"] for item in output if item["type"] == "message"
                                          for p in item["content"] if p["type"] == "output_text")
             out["usage"] = {"input_tokens": stats.prompt_tokens,
-                            "input_tokens_details": {"cached_tokens": stats.reused_prompt_tokens},
+                            "input_tokens_details": {"cached_tokens": stats.reused_prompt_tokens,
+                                                     "cache_write_tokens": 0},
                             "output_tokens": stats.generated, "output_tokens_details": {"reasoning_tokens": 0},
                             "total_tokens": stats.prompt_tokens + stats.generated}
             out["timings"] = timings(stats)

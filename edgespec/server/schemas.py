@@ -353,6 +353,13 @@ class Shape:
     prompt_field = "messages"   # the request field a context error names
     dropped_messages = 0        # --context-overflow drop-oldest: turns left out of the prompt
 
+    @property
+    def clock(self) -> dict:
+        """perf_counter times of the request: t0 (its body read), queued, started (app.py)."""
+        if "_clock" not in self.__dict__:
+            self._clock = {}
+        return self._clock
+
     def whole(self, text: str, stats, reason: str, tool_calls=()) -> dict:
         raise NotImplementedError
 
@@ -372,6 +379,13 @@ class Shape:
         out = speculation(stats, reason)
         if self.dropped_messages:
             out["dropped_messages"] = self.dropped_messages
+        c = self.clock
+        if {"t0", "queued", "started"} <= c.keys():
+            # where the request's time went at the server: checking, templating and tokenizing it
+            # (and compiling its constraint), waiting for a place, and in all until this answer
+            out["server_seconds"] = {"prepare": round(c["queued"] - c["t0"], 4),
+                                     "queue": round(c["started"] - c["queued"], 4),
+                                     "total": round(time.perf_counter() - c["t0"], 4)}
         return out
 
 

@@ -482,9 +482,10 @@ def make_drafter(mode: str, target, draft_backend=None, *, gamma: int = 4, calib
 def make_policy(target, draft_backend=None, *, calibrate: str = "auto", progress=None):
     """auto's policy over this device's costs: calibrated (or cached), then followed online;
     corrections that hold are written back to the calibration cache (not with "never")."""
-    from .calibrate import LoadMeter, obtain, write_back
+    from .calibrate import LoadMeter, exact_limit, obtain, write_back
     from .policy import OnlineCosts, Policy
     cal = obtain(target, draft_backend, mode=calibrate, progress=progress)
+    exact = exact_limit(target, draft_backend, cal, calibrate)
     persist = None
     if calibrate != "never":
         meter = LoadMeter()  # other load since the last write: a busy spell's figures are not kept
@@ -494,4 +495,6 @@ def make_policy(target, draft_backend=None, *, calibrate: str = "auto", progress
     source = cal.source + (" (provisional)" if cal.provisional else "")
     # a doubtful calibration gets no say once the engine's own passes disagree with it
     trust = 0 if cal.provisional or cal.source == "defaults" else 3
-    return Policy(OnlineCosts(cal.costs, source, prior=trust, persist=persist))
+    policy = Policy(OnlineCosts(cal.costs, source, prior=trust, persist=persist))
+    policy.exact_rows = exact
+    return policy

@@ -470,6 +470,54 @@ def obtain(target, draft=None, *, mode: str = "auto", progress=None) -> Calibrat
     return cal
 
 
+EXACT_PROBE = 8  # rows the exactness probe tries at most
+
+
+def exact_rows(target, probe: int = EXACT_PROBE) -> Optional[int]:
+    """The most tokens one pass may feed while each of its rows still gets, bit for bit, the
+    logits a single-row decode gives; None when `probe` rows still do. On x86 CPUs with
+    repacked Q4_K weights: 3 (llama.cpp's 4-row kernels round otherwise); the policy keeps
+    passes within it unless going beyond pays (policy.INEXACT_MARGIN)."""
+    if target.n_ctx < 64:
+        return None
+    filler = target.tokenize(FILLER * 2, add_bos=True)[:32]
+    cont = target.tokenize(FILLER, add_bos=False)[:probe]
+    try:
+        target.reset()
+        target.eval(filler, [])
+        base = target.n_past
+        alone = [np.array(target.eval([t], [0])[0]) for t in cont]
+        for k in range(2, len(cont) + 1):
+            target.truncate(base)
+            rows = target.eval(cont[:k], list(range(k)))
+            if not all(np.array_equal(rows[i], alone[i]) for i in range(k)):
+                return k - 1
+        return None
+    finally:
+        target.reset()
+
+
+def exact_limit(target, draft=None, cal: Optional[Calibration] = None, mode: str = "auto") -> Optional[int]:
+    """exact_rows for this model and setting: from the calibration's record, else probed (about
+    15 passes) and added to it; None with mode "never" when it was never probed."""
+    info = cal.info if cal is not None else {}
+    if "exact_rows" in info:
+        v = info["exact_rows"]
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+    if mode == "never":
+        return None
+    found = exact_rows(target)
+    key = calibration_key(target, draft)
+    path = _key_path(key)
+    record = _read(path, key)
+    if record is not None:
+        record["info"] = {**(record.get("info") if isinstance(record.get("info"), dict) else {}),
+                          "exact_rows": found}
+        _write(path, record)
+    log.info("passes of up to %s tokens compute each row as a single-row decode", found or f"{EXACT_PROBE}+")
+    return found
+
+
 def load_or_measure(target, draft=None, *, force: bool = False, progress=None) -> Costs:
     """Cached figures for this model and setting, else measured ones (see `obtain`)."""
     return obtain(target, draft, mode="now" if force else "auto", progress=progress).costs

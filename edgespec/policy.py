@@ -41,6 +41,12 @@ FEED_SHARE = 0.7
 # of them waits for it, so a short request beside a long answer that copies (a 95%-accepted edit
 # drafting 16 rows a pass on a CPU) gets its tokens at most this much slower than plain batching.
 SHARED_STRETCH = 2.0
+# On some builds a pass of more than a few rows computes every row otherwise than a single-row
+# decode (repacked Q4_K weights on x86 CPUs: up to 3 rows bit for bit, 4 and more 0.4-0.6 apart
+# in their logits, as 4-row kernels take over): a greedy answer then parts from plain decoding's
+# at near-ties. Where the calibration found such a limit (`Policy.exact_rows`), a draft that
+# makes the pass longer must save at least this many steps more than the best draft within it.
+INEXACT_MARGIN = 1.0
 
 # Run-length buckets (lower edges) and the prior per-token acceptance of each. Fresh lookup
 # hits: below what the workloads showed for every kind (about 0.2 0.45 0.6 0.75 0.8 0.85 0.95
@@ -528,6 +534,10 @@ class Policy:
         self.decisions: dict[str, int] = {}
         self._last_first_rate = 0.0
         self._model_lag = 1
+        # the most tokens a pass may feed and still compute each row as a single-row decode does
+        # (calibrate.exact_rows); None: no such limit known
+        self.exact_rows: Optional[int] = None
+        self.inexact = 0  # rounds that made a longer pass: its saving was worth INEXACT_MARGIN
 
     @property
     def costs(self) -> Costs:
@@ -592,7 +602,7 @@ class Policy:
                     for i, r in enumerate(offer.risk[:n]):
                         keep *= 1.0 - r
                         surv[i] *= keep
-                g, saving = best_saving(costs, surv, base=base, token_cost=value, max_pass=cap)
+                g, saving = self._within_exact(costs, surv, 0.0, 0.0, base, value, cap, seqs)
                 self._last_first_rate = surv[0] if surv else 0.0
                 if g:  # named by what it is: a fresh lookup hit or an aligned copy
                     runner_up = Choice("copy" if offer.state == "aligned" else "ngram", g,
@@ -601,7 +611,8 @@ class Policy:
         if has_model and room > 0 and costs.draft_step is not None:
             alpha = self.model.lower(CAUTION)
             surv = [alpha ** j for j in range(1, min(room, self.max_gamma) + 1)]
-            g, saved = best_saving(costs, surv, costs.draft_step, costs.catch_up(model_lag), base, value, cap)
+            g, saved = self._within_exact(costs, surv, costs.draft_step, costs.catch_up(model_lag), base, value,
+                                          cap, seqs)
             if g:
                 tests.append(Choice("model", g, _tps(costs, surv[:g], costs.draft_step)))
                 if saved > saving:
@@ -611,6 +622,21 @@ class Policy:
         best = self._explore(best, tests, t1)
         self.decisions[best.drafter] = self.decisions.get(best.drafter, 0) + 1
         return best
+
+    def _within_exact(self, costs: Costs, surv: list[float], step: float, fixed: float, base, value: float,
+                      cap: float, seqs: int) -> tuple[int, float]:
+        """best_saving, kept to passes of at most `exact_rows` tokens unless going beyond saves
+        INEXACT_MARGIN steps more (a pass several sequences share is beyond it anyway)."""
+        g, saved = best_saving(costs, surv, step, fixed, base, value, cap)
+        limit = self.exact_rows
+        if limit is None or seqs > 1 or g == 0 or base[0] + g <= limit:
+            return g, saved
+        room = limit - base[0]
+        g2, saved2 = best_saving(costs, surv[:room], step, fixed, base, value, cap) if room > 0 else (0, 0.0)
+        if saved - max(saved2, 0.0) >= INEXACT_MARGIN * costs.verify_cost(1):
+            self.inexact += 1
+            return g, saved
+        return g2, saved2
 
     def _explore(self, choice: Choice, tests: list[Choice], t1: float) -> Choice:
         """Re-test what the policy stopped doing once its patience ran out: a plain pass while

@@ -1,6 +1,6 @@
 """Where a short request's time goes: `edgespec serve --drafter none` beside llama-server plain on
-the same GGUF, the same prompts, one at a time, each sent --trials times (the first of each
-prompt is dropped: it fills the prompt cache).
+the same GGUF, the same prompts, one at a time, each in --trials variants (a number appended: every request
+evaluates its prompt; the first variant is a warm-up, not counted).
 
     python scripts/request_overhead.py MODEL.gguf [--llama-server PATH] [--tokens 30] [--trials 4]
 
@@ -49,11 +49,14 @@ def main() -> int:
             s.wait_ready()
         import httpx
         rows = {name: [] for name in servers}
+        texts: dict = {}
+        walls: dict = {}
         for prompt in PROMPTS:
             for trial in range(args.trials + 1):
                 for name, s in servers.items():
-                    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.tokens,
-                            "temperature": 0}
+                    # a new prompt every time (the trial's number in it): each request evaluates its prompt
+                    body = {"messages": [{"role": "user", "content": f"{prompt} (#{trial})"}],
+                            "max_tokens": args.tokens, "temperature": 0}
                     t0 = time.perf_counter()
                     out = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=300).json()
                     wall = time.perf_counter() - t0
@@ -68,6 +71,14 @@ def main() -> int:
                                    at_server=ext["total"] * 1000)
                     row["rest"] = row["wall"] - row["prompt"] - row["decode"]
                     rows[name].append(row)
+                    texts.setdefault((prompt, trial), {})[name] = out["choices"][0]["message"]["content"]
+                    walls.setdefault((prompt, trial), {})[name] = wall
+        same = sum(len(set(v.values())) == 1 for v in texts.values())
+        print(f"answers equal across the servers: {same}/{len(texts)}")
+        if len(servers) == 2:  # the same request to both, one after the other: their ratio
+            ratios = [w["edgespec none"] / w["llama-server"] for w in walls.values()]
+            print(f"edgespec none / llama-server wall time, same request: median {statistics.median(ratios):.3f} "
+                  f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
         for name, got in rows.items():
             med = {k: statistics.median(r[k] for r in got) for k in got[0]}
             print(f"{name:14s} " + "  ".join(f"{k} {v:7.1f}" for k, v in med.items()))

@@ -109,6 +109,10 @@ class AutoDrafter:
         """Where the cost figures came from and how far the passes have moved them."""
         d = self.policy.online.describe()
         d["decisions"] = dict(self.policy.decisions)
+        # the longest pass computed as single-row decodes compute (None: no limit found), and how
+        # often a draft went beyond it because it saved enough
+        d["exact_rows"] = self.policy.exact_rows
+        d["beyond_exact"] = self.policy.inexact
         return d
 
     def reset(self) -> None:

@@ -11,11 +11,13 @@ same GGUFs, each with one sequence and the same threads and context:
     edgespec auto               `edgespec serve --drafter auto` (the default)
 
 Every prompt of the workloads (the first of each kind unless --limit says more) is sent to each
-server in turn (interleaved, so drift on a noisy machine falls on all of them alike), --trials
-times (default 2), as one OpenAI chat request at T = 0 with --max-tokens (default 128). A
+server in turn (interleaved, so drift on a noisy machine falls on all of them alike), as one
+OpenAI chat request at T = 0 with --max-tokens (default 128); --trials times (default 2), each
+trial on freshly started servers (llama-server's ngram-mod keeps an n-gram memory of earlier
+answers across requests, and a repeated prompt would be answered from it). A
 request's speed is its completion tokens over its wall time at the client (prompt, queue, SSE
 and all: what an app sees); the table gives each server's median as a ratio to llama-server
-plain on the same prompt, and whether its answer equals llama-server plain's, token for token
+plain on the same prompt, and whether its answers equal llama-server plain's in the same trials
 (the text). JSON in bench-results/peer.json.
 """
 from __future__ import annotations
@@ -130,41 +132,48 @@ def run(target: Path, draft: Path, items: list[dict], *, binary: Path, n_ctx: in
     logs = out.parent / "peer-logs"
     logs.mkdir(parents=True, exist_ok=True)
     cmds = commands(binary, target, draft, n_ctx, threads)
-    servers: dict[str, Served] = {}
-    try:
-        for name in peers:
-            port = _free_port()
-            servers[name] = Served(name, cmds[name] + ["--port", str(port)], port,
-                                   logs / (re.sub(r"\W+", "-", name) + ".log"))
-        for s in servers.values():
-            s.wait_ready()
-            s.ask("Say hi.", 4)  # warm-up: first-request costs (repacking, llguidance) out of the figures
-        total, done = len(items) * trials * len(servers), 0
-        rows = []
-        for it in items:
-            runs: dict[str, list[tuple[str, int, float]]] = {n: [] for n in servers}
-            for _ in range(trials):
+    runs: dict[str, dict[str, list[tuple[str, int, float]]]] = {it["id"]: {n: [] for n in peers} for it in items}
+    total, done = len(items) * trials * len(peers), 0
+    for trial in range(trials):
+        # fresh servers every trial: nothing a server remembers (llama-server's n-gram memory of
+        # earlier answers, either one's prompt cache) may answer a repeated prompt for it
+        servers: dict[str, Served] = {}
+        try:
+            for name in peers:
+                port = _free_port()
+                servers[name] = Served(name, cmds[name] + ["--port", str(port)], port,
+                                       logs / (re.sub(r"\W+", "-", name) + f"-{trial + 1}.log"))
+            for s in servers.values():
+                s.wait_ready()
+                s.ask("Say hi.", 4)  # warm-up: first-request costs (repacking, llguidance) out of the figures
+            for it in items:
                 for name, s in servers.items():
-                    runs[name].append(s.ask(it["prompt"], max_tokens))
+                    runs[it["id"]][name].append(s.ask(it["prompt"], max_tokens))
                     done += 1
                     print(f"\rbench: {done}/{total} requests ({it['id']}, {name})".ljust(72), end="",
                           file=sys.stderr, flush=True)
-            ref_text = runs[REFERENCE][0][0] if REFERENCE in runs else None
-            row = {"id": it["id"], "kind": it["kind"], "peers": {}}
-            for name, got in runs.items():
-                speeds = [n / wall for _, n, wall in got if wall > 0]
-                row["peers"][name] = {"tok_s": statistics.median(speeds), "tokens": got[0][1],
-                                      "walls": [round(w, 3) for _, _, w in got],
-                                      "same_as_plain": None if ref_text is None else got[0][0] == ref_text,
-                                      "stable": len({t for t, _, _ in got}) == 1}
-            base = row["peers"].get(REFERENCE, {}).get("tok_s")
-            for p in row["peers"].values():
-                p["ratio"] = round(p["tok_s"] / base, 3) if base else None
-            rows.append(row)
-        print(file=sys.stderr)
-    finally:
-        for s in servers.values():
-            s.stop()
+        finally:
+            for s in servers.values():
+                s.stop()
+    print(file=sys.stderr)
+    rows = []
+    for it in items:
+        got_all = runs[it["id"]]
+        ref = got_all.get(REFERENCE)
+        row = {"id": it["id"], "kind": it["kind"], "peers": {}}
+        for name, got in got_all.items():
+            speeds = [n / wall for _, n, wall in got if wall > 0]
+            # equal to plain's answer in the same trial (llama-server plain itself may part from
+            # its own earlier answer: its batches differ when a prompt is partly cached)
+            same = [a[0] == b[0] for a, b in zip(got, ref)] if ref else []
+            row["peers"][name] = {"tok_s": statistics.median(speeds), "tokens": got[0][1],
+                                  "walls": [round(w, 3) for _, _, w in got],
+                                  "same_as_plain": all(same) if same else None,
+                                  "same_trials": sum(same), "stable": len({t for t, _, _ in got}) == 1}
+        base = row["peers"].get(REFERENCE, {}).get("tok_s")
+        for p in row["peers"].values():
+            p["ratio"] = round(p["tok_s"] / base, 3) if base else None
+        rows.append(row)
     report = {"target": str(target), "draft": str(draft), "threads": threads, "n_ctx": n_ctx, "trials": trials,
               "max_tokens": max_tokens, "llama_server": str(binary), "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ same GGUFs, each with one sequence and the same threads and context:
     edgespec auto               `edgespec serve --drafter auto` (the default)
 
 Every prompt of the workloads (the first of each kind unless --limit says more) is sent to each
-server in turn (interleaved, so drift on a noisy machine falls on all of them alike), as one
+server in turn (interleaved, the order turned by one every prompt and trial, so drift on a noisy
+machine falls on all of them alike), as one
 OpenAI chat request at T = 0 with --max-tokens (default 128); --trials times (default 2), each
 trial on freshly started servers (llama-server's ngram-mod keeps an n-gram memory of earlier
 answers across requests, and a repeated prompt would be answered from it). A
@@ -146,9 +147,12 @@ def run(target: Path, draft: Path, items: list[dict], *, binary: Path, n_ctx: in
             for s in servers.values():
                 s.wait_ready()
                 s.ask("Say hi.", 4)  # warm-up: first-request costs (repacking, llguidance) out of the figures
-            for it in items:
-                for name, s in servers.items():
-                    runs[it["id"]][name].append(s.ask(it["prompt"], max_tokens))
+            for i, it in enumerate(items):
+                # the order turns by one a prompt and a trial: no server is always first after a switch
+                names = list(servers)
+                shift = (i + trial) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    runs[it["id"]][name].append(servers[name].ask(it["prompt"], max_tokens))
                     done += 1
                     print(f"\rbench: {done}/{total} requests ({it['id']}, {name})".ljust(72), end="",
                           file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ from typing import Optional, Union
 
 from pydantic import ConfigDict
 
-from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, timings
+from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, check_extra_fields, timings
 
 # Anthropic's fields that cannot change the answer here; any other unknown field is refused
 IGNORED = frozenset({"metadata", "service_tier", "thinking", "anthropic_version", "container",
@@ -58,17 +58,9 @@ class MessagesRequest(_Body):
     stream: Optional[bool] = None
     output_config: Optional[dict] = None  # {"format": {"type": "json_schema", "schema"}}, {"effort"} (no effect)
 
-    def _check_extra(self) -> None:
-        for name, value in (self.model_extra or {}).items():
-            if name not in IGNORED:
-                raise ApiError(400, f"unknown field {name!r}: this server does not implement it; leave it out")
-            test = NEUTRAL.get(name)
-            if test is not None and not test(value):
-                raise ApiError(400, f"{name} is not supported by this server: leave it out")
-
     def chat(self) -> ChatRequest:
         """The OpenAI chat request this body asks for (ApiError 400 naming what is wrong)."""
-        self._check_extra()
+        check_extra_fields(self.model_extra, IGNORED, NEUTRAL)
         if self.max_tokens < 1:
             raise ApiError(400, f"max_tokens: must be >= 1, got {self.max_tokens}", param="max_tokens")
         if self.temperature is not None and not 0 <= self.temperature <= 1:

@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 from pydantic import ConfigDict
 
-from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, timings
+from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, check_extra_fields, timings
 
 IGNORED = frozenset({"metadata", "user", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                      "reasoning", "include", "stream_options", "top_logprobs", "background", "prompt_cache_retention"})
@@ -50,13 +50,7 @@ class ResponsesRequest(_Body):
     conversation: Union[str, dict, None] = None
 
     def _check_extra(self) -> None:
-        for name, value in (self.model_extra or {}).items():
-            if name not in IGNORED:
-                raise ApiError(400, f"unknown field {name!r}: this server does not implement it; leave it out",
-                               param=name)
-            test = NEUTRAL.get(name)
-            if test is not None and not test(value):
-                raise ApiError(400, f"{name} is not supported by this server: leave it out", param=name)
+        check_extra_fields(self.model_extra, IGNORED, NEUTRAL)
         if self.previous_response_id is not None or self.conversation is not None:
             field = "previous_response_id" if self.previous_response_id is not None else "conversation"
             raise ApiError(400, f"{field}: this server keeps no responses or conversations; send the whole "

@@ -94,12 +94,14 @@ NEUTRAL = {  # field -> is this value the one that changes nothing
 }
 
 
-def check_extra_fields(extra: Optional[dict]) -> None:
-    """400 for the first field of the body that this server would otherwise drop in silence."""
+def check_extra_fields(extra: Optional[dict], ignored=IGNORED_FIELDS, neutral=None) -> None:
+    """400 for the first field of the body that this server would otherwise drop in silence;
+    `ignored`, `neutral`: another API's lists (anthropic.py, responses.py)."""
+    neutral = NEUTRAL if neutral is None else neutral
     for name, value in (extra or {}).items():
-        if name in IGNORED_FIELDS:
+        if name in ignored and name not in neutral:
             continue
-        test = NEUTRAL.get(name)
+        test = neutral.get(name)
         if test is None:
             raise ApiError(400, f"unknown field {name!r}: this server does not implement it; leave it out",
                            param=name)

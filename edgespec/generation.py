@@ -25,7 +25,9 @@ class GenerationStats:
     rounds: int = 0
     target_forwards: int = 0
     accept_histogram: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafts
-    by_drafter: dict = field(default_factory=dict)  # source -> {"rounds", "drafted", "accepted"}
+    # source -> {"rounds", "drafted", "accepted", "seconds"}: seconds of the rounds it chose (their
+    # drafting and pass), so rounds + accepted tokens over seconds is what it gave per second
+    by_drafter: dict = field(default_factory=dict)
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str = ""

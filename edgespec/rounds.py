@@ -266,7 +266,7 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
     g.tokens.extend(new)
     if guide is not None:
         guide.advance([t for t in new if not target.is_eog(t)])
-    count(st, draft, n, n_forced, inner.source)
+    count(st, draft, n, n_forced, inner.source, info.verify_seconds + info.draft_seconds)
     if g.drafter is not None:
         g.drafter.observe(replace(info, tokens=g.tokens, accepted=max(0, n - n_forced)))
     for i, tok in enumerate(new):
@@ -305,9 +305,10 @@ def check_finite(target, logits: np.ndarray) -> None:
                                 "download it again")
 
 
-def count(stats, draft: Draft, n: int, n_forced: int = 0, source: str = "") -> None:
+def count(stats, draft: Draft, n: int, n_forced: int = 0, source: str = "", seconds: float = 0.0) -> None:
     """One round in the stats; a constrained draft counts its forced part (source "grammar")
-    apart from the drafter's."""
+    apart from the drafter's. `seconds`: the round's drafting and pass, counted to the drafter
+    that chose it (the last part), so that what each drafter cost per token can be read off."""
     stats.rounds += 1
     drafts = draft.tokens
     if drafts:
@@ -320,8 +321,10 @@ def count(stats, draft: Draft, n: int, n_forced: int = 0, source: str = "") -> N
     parts = [(draft.source if drafts else "none", len(drafts), n)] if not n_forced else \
         [("grammar", n_forced, min(n, n_forced))] + \
         ([(source, len(drafts) - n_forced, max(0, n - n_forced))] if len(drafts) > n_forced else [])
-    for name, k, acc in parts:
-        d = stats.by_drafter.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})
+    for i, (name, k, acc) in enumerate(parts):
+        d = stats.by_drafter.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0, "seconds": 0.0})
         d["rounds"] += 1
         d["drafted"] += k
         d["accepted"] += acc
+        if i == len(parts) - 1:
+            d["seconds"] = round(d.get("seconds", 0.0) + seconds, 6)

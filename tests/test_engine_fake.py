@@ -152,3 +152,14 @@ def test_reused_prompt_tokens_counts_the_prefix_really_kept():
     assert eng.generate("0 1 2 5", max_tokens=3).stats.reused_prompt_tokens == 4   # BOS 0 1 2
     assert eng.generate("4 4", max_tokens=3).stats.reused_prompt_tokens == 1        # BOS only
     assert eng.generate("4 4", max_tokens=3).stats.reused_prompt_tokens == 3        # an exact repeat
+
+
+def test_each_drafter_says_what_its_rounds_cost():
+    """by_drafter carries the seconds of the rounds each drafter chose (drafting and pass): they
+    add up to no more than the decode phase, and (no constraint here) every round is counted once."""
+    eng = engine(gamma=3)
+    r = eng.generate("abcabcabc", max_tokens=24)
+    parts = r.stats.by_drafter
+    assert parts and all(v["seconds"] >= 0 for v in parts.values())
+    assert sum(v["seconds"] for v in parts.values()) <= r.stats.decode_seconds + 1e-6
+    assert sum(v["rounds"] for v in parts.values()) == r.stats.rounds

@@ -10,6 +10,7 @@ rows a mask decides alone. With one generation this is the plain speculative loo
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from typing import Optional
@@ -38,16 +39,13 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
         gen.seq, restored = sequences.claim(gen.tokens, busy)
         gen.n_ctx = target.n_ctx
         st.reused_prompt_tokens = -1 if not restored else -2  # set by the first piece below
-    abort = getattr(target, "abort_when", None)
-    if abort is None:
-        row, kept = sequences.prefill(gen.seq, gen.tokens, limit)
-    else:  # a piece alone can take seconds: a cancel stops it inside the pass
-        try:
-            with abort(gen.cancel.is_set):
-                row, kept = sequences.prefill(gen.seq, gen.tokens, limit)
-        except Aborted:
-            finish(gen, "cancelled")
-            return False
+    abort = getattr(target, "abort_when", None)  # a piece alone can take seconds: a cancel stops it inside
+    try:
+        with abort(gen.cancel.is_set) if abort is not None else contextlib.nullcontext():
+            row, kept = sequences.prefill(gen.seq, gen.tokens, limit)
+    except Aborted:
+        finish(gen, "cancelled")
+        return False
     if st.reused_prompt_tokens < 0:
         st.restored_prompt_tokens = kept if st.reused_prompt_tokens == -2 else 0
         st.reused_prompt_tokens = kept

@@ -214,7 +214,7 @@ def main(settings, opts, progress=None, llama_server: Optional[str] = None) -> i
     threads = settings.threads or default_threads()
     out = Path(opts.out if opts.out != "bench-results/bench.json" else "bench-results/peer.json")
     report = run(Path(target), Path(draft), items, binary=binary, n_ctx=settings.n_ctx, threads=threads,
-                 trials=max(opts.trials, 2) if opts.trials == 1 else opts.trials, max_tokens=opts.bench_tokens,
+                 trials=2 if opts.trials == 1 else opts.trials, max_tokens=opts.bench_tokens,
                  out=out)
     print(format_table(report))
     print(f"\nJSON: {out}")

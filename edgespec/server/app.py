@@ -197,25 +197,31 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         return await _answer(s, request, Envelope("text", model_id, body.include_usage), body.stream,
                              lambda engine: engine.stream_prompt(ready))
 
+    async def prepared(chat: ChatRequest, overflow: str, api, reserve: bool = True):
+        """The ChatPrompt of a request translated from another API (api: anthropic.py,
+        responses.py), its errors named as that API names its fields. `reserve`: the answer's
+        limit must fit beside the prompt (OpenAI's rule); else it is a cap, and a full context
+        ends the answer (Anthropic's, whose max_tokens is required)."""
+        s = scheduler()
+        try:
+            messages = chat.engine_messages()
+            req = await _checked(chat, _n_ctx(s))
+            room = (chat.requested_tokens() or 1) if reserve else 1
+            return await _prepare(lambda: s.engine.prepare_chat(messages, req, room=room, overflow=overflow),
+                                  chat.constraint()[1], api.PARAMS["messages"])
+        except ApiError as exc:
+            exc.param = api.PARAMS.get(exc.param, exc.param)
+            for ours, theirs in api.WORDS:
+                exc.message = exc.message.replace(ours, theirs)
+            raise
+
     async def chat_like(request: Request, chat: ChatRequest, shape_for: Callable[[Any], Shape],
                         overflow: str, api, reserve: bool = True):
         """A request of another API translated into `chat` (api: anthropic.py, responses.py):
         checked, prepared and answered as a chat completion, written in the shape
         `shape_for(prompt)` gives."""
         s = scheduler()
-        try:
-            messages = chat.engine_messages()
-            req = await _checked(chat, _n_ctx(s))
-            # reserve: the answer's limit must fit beside the prompt (OpenAI's rule); else it is a
-            # cap, and a full context ends the answer (Anthropic's, whose max_tokens is required)
-            room = (chat.requested_tokens() or 1) if reserve else 1
-            prompt = await _prepare(lambda: s.engine.prepare_chat(messages, req, room=room, overflow=overflow),
-                                    chat.constraint()[1], api.PARAMS["messages"])
-        except ApiError as exc:  # named as the client's API names its fields
-            exc.param = api.PARAMS.get(exc.param, exc.param)
-            for ours, theirs in api.WORDS:
-                exc.message = exc.message.replace(ours, theirs)
-            raise
+        prompt = await prepared(chat, overflow, api, reserve)
         shape = shape_for(prompt)
         shape.dropped_messages = prompt.dropped
         return await _answer(s, request, shape, chat.stream, lambda engine: engine.stream_prompt(prompt))
@@ -229,16 +235,7 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
     @v1.post("/messages/count_tokens")
     async def count_tokens(request: Request,
                            body: anthropic.CountRequest = Depends(_json(anthropic.CountRequest))):
-        s = scheduler()
-        chat = body.chat()
-        try:
-            messages = chat.engine_messages()
-            req = await _checked(chat, _n_ctx(s))
-            prompt = await _prepare(lambda: s.engine.prepare_chat(messages, req, room=1), chat.constraint()[1])
-        except ApiError as exc:
-            for ours, theirs in anthropic.WORDS:
-                exc.message = exc.message.replace(ours, theirs)
-            raise
+        prompt = await prepared(body.chat(), "error", anthropic, reserve=False)
         return {"input_tokens": len(prompt.tokens)}
 
     @v1.post("/responses")

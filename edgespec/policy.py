@@ -201,6 +201,57 @@ class Costs:
             return base
         return base + FEED_SHARE * max(0.0, self.verify_cost(fed) - base)
 
+    def split_cost(self, parts) -> float:
+        """A pass of several sequences' `parts` (Part), as llama.cpp computes it: one
+        computation per micro-batch (`micro_batches`)."""
+        return sum(self.pass_cost(fed, rows) for fed, rows in micro_batches(parts))
+
+
+class Part(NamedTuple):
+    """One sequence's part of a pass: its sequence id, the tokens it feeds and the rows of
+    logits it asks for (its last `rows` tokens)."""
+
+    seq: int
+    fed: int
+    rows: int
+
+
+class Share(NamedTuple):
+    """The rest of a pass several sequences share, as a sequence planning its draft sees it:
+    its own sequence id and the other sequences' parts (their drafts, where already planned)."""
+
+    seq: int
+    others: tuple[Part, ...]
+
+
+def micro_batches(parts) -> list[tuple[int, int]]:
+    """(tokens fed, rows) of each micro-batch llama.cpp cuts a pass of several sequences into
+    when each sequence has a KV stream of its own (llama_batch_allocr::split_equal, sequential):
+    a micro-batch takes sequences with consecutive ids only, and the same number of tokens from
+    each. So a pass where one of four sequences drafts 8 tokens is two graph computations, 4
+    rows and then 8, each reading every weight: [0: 9, 1: 1, 2: 1, 3: 1] costs T(4) + T(8),
+    and sequences 0 and 2 without 1 never share one."""
+    at = {p.seq: 0 for p in parts if p.fed > 0}
+    by = {p.seq: p for p in parts}
+    out = []
+    while at:
+        ids = sorted(at)
+        group = [ids[0]]
+        for s in ids[1:]:
+            if s != group[-1] + 1:
+                break
+            group.append(s)
+        m = min(by[s].fed - at[s] for s in group)
+        rows = 0
+        for s in group:
+            p, a = by[s], at[s]
+            rows += max(0, min(a + m, p.fed) - max(a, p.fed - p.rows))
+            at[s] = a + m
+            if at[s] >= p.fed:
+                del at[s]
+        out.append((m * len(group), rows))
+    return out
+
 
 def rows_cheap(costs: "Costs") -> bool:
     """A second verified row costs well under a decode step (a GPU; not a 2-core CPU, where it
@@ -476,7 +527,7 @@ def best_length(costs: Costs, survival: list[float], draft_step: float = 0.0) ->
 
 def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0, fixed: float = 0.0,
                 base: tuple[int, int] = (1, 1), token_cost: Optional[float] = None,
-                max_pass: float = math.inf) -> tuple[int, float]:
+                max_pass: float = math.inf, pass_of: Optional[Callable[[int], float]] = None) -> tuple[int, float]:
     """(draft length >= 1, expected seconds saved) for the length that saves the most time
     against decoding the same expected tokens one pass each; survival[j - 1] is the chance
     that the first j drafts are all accepted; `fixed` is spent whatever the length (the draft
@@ -492,17 +543,24 @@ def best_saving(costs: Costs, survival: list[float], draft_step: float = 0.0, fi
 
     `token_cost`: what a token costs without drafts (default a one-row pass; when several
     sequences share the pass, their plain pass over their number: on a CPU a row costs nearly
-    a step, so rows added to a shared pass pay only for drafts likelier to be accepted)."""
+    a step, so rows added to a shared pass pay only for drafts likelier to be accepted).
+
+    `pass_of(g)`: what the whole pass costs with g drafts (default: `base` grown by g tokens and
+    rows; a shared pass prices its micro-batches, `Costs.split_cost`)."""
     t1 = costs.verify_cost(1) if token_cost is None else token_cost
     fed, rows = base
-    anyway = costs.pass_cost(fed, rows)
+    if pass_of is None:
+        def pass_of(g: int) -> float:
+            return costs.pass_cost(fed + g, rows + g)
+    anyway = pass_of(0)
     best = (0, -math.inf)
     tokens = 0.0  # beyond the target's own token, which comes with the pass made anyway
     for g, s in enumerate(survival[:costs.max_rows - rows], 1):
-        if costs.pass_cost(fed + g, rows + g) > max_pass:
-            break
         tokens += s
-        saved = tokens * t1 - fixed - g * draft_step - (costs.pass_cost(fed + g, rows + g) - anyway)
+        whole = pass_of(g)
+        if whole > max_pass * (1 + 1e-9):  # not monotonic in g where micro-batches merge: skipped, not the end
+            continue
+        saved = tokens * t1 - fixed - g * draft_step - (whole - anyway)
         if saved > best[1]:
             best = (g, saved)
     return best
@@ -573,19 +631,37 @@ class Policy:
 
     # -- deciding -------------------------------------------------------------------------------
     def choose(self, offer=None, has_model: bool = False, room: int = 0, model_lag: int = 1,
-               base: tuple[int, int] = (1, 1), seqs: int = 1) -> Choice:
+               base: tuple[int, int] = (1, 1), seqs: int = 1, share: Optional[Share] = None) -> Choice:
         """`offer`: a copy proposal (`Offer`, or a tuple (run length, continuation tokens
         available[, state[, risk]])) or None; `room`: most drafts that fit (context and
         max_tokens); `model_lag`: committed tokens the draft model has not seen yet; `base`:
         the pass this round makes anyway (tokens fed, rows computed: see `best_saving`), with
-        `seqs` sequences' rows in it."""
+        `seqs` sequences' rows in it; `share`: the other sequences' parts of a shared pass
+        (then `base` is this sequence's own part, and `seqs` follows from it). A shared pass
+        is priced by its micro-batches (`Costs.split_cost`): a draft that makes it two
+        computations pays for the second one."""
         self._model_lag = model_lag
         costs = self.online.current()
         self.online.tick()
         t1 = costs.verify_cost(1)
-        value = t1 if seqs <= 1 else costs.verify_cost(seqs) / seqs  # a plain token in this pass
-        # the others wait for this pass: it may grow to SHARED_STRETCH times its plain cost
-        cap = math.inf if seqs <= 1 else SHARED_STRETCH * costs.verify_cost(seqs)
+        if share is None and seqs > 1:  # base counts the others: one token and row each
+            share = Share(0, tuple(Part(i, 1, 1) for i in range(1, seqs)))
+            base = (max(1, base[0] - seqs + 1), max(1, base[1] - seqs + 1))
+        pass_of, value, cap = None, t1, math.inf
+        if share is not None and share.others:
+            seqs = 1 + len(share.others)
+            fed, rows = base
+            others = list(share.others)
+
+            def pass_of(g: int) -> float:
+                return costs.split_cost(others + [Part(share.seq, fed + g, rows + g)])
+
+            plain = costs.split_cost([Part(p.seq, 1, 1) for p in others] + [Part(share.seq, 1, 1)])
+            value = plain / seqs  # a plain token in this pass
+            # the others wait for this pass: it may grow to SHARED_STRETCH times its plain cost
+            cap = SHARED_STRETCH * plain
+        else:
+            seqs = 1
         best = Choice("none", 0, 1.0 / t1)
         runner_up, saving = best, -math.inf  # the most promising draft
         tests: list[Choice] = []  # every drafter on offer, for exploration
@@ -602,7 +678,7 @@ class Policy:
                     for i, r in enumerate(offer.risk[:n]):
                         keep *= 1.0 - r
                         surv[i] *= keep
-                g, saving = self._within_exact(costs, surv, 0.0, 0.0, base, value, cap, seqs)
+                g, saving = self._within_exact(costs, surv, 0.0, 0.0, base, value, cap, seqs, pass_of)
                 self._last_first_rate = surv[0] if surv else 0.0
                 if g:  # named by what it is: a fresh lookup hit or an aligned copy
                     runner_up = Choice("copy" if offer.state == "aligned" else "ngram", g,
@@ -612,22 +688,23 @@ class Policy:
             alpha = self.model.lower(CAUTION)
             surv = [alpha ** j for j in range(1, min(room, self.max_gamma) + 1)]
             g, saved = self._within_exact(costs, surv, costs.draft_step, costs.catch_up(model_lag), base, value,
-                                          cap, seqs)
+                                          cap, seqs, pass_of)
             if g:
                 tests.append(Choice("model", g, _tps(costs, surv[:g], costs.draft_step)))
                 if saved > saving:
                     runner_up, saving = tests[-1], saved
         if runner_up.gamma and saving > MARGIN * t1:
             best = runner_up
-        best = self._explore(best, tests, t1)
+        # a test beside other sequences would cost them a micro-batch of its own: tests are made alone
+        best = self._explore(best, tests if seqs <= 1 else [], t1)
         self.decisions[best.drafter] = self.decisions.get(best.drafter, 0) + 1
         return best
 
     def _within_exact(self, costs: Costs, surv: list[float], step: float, fixed: float, base, value: float,
-                      cap: float, seqs: int) -> tuple[int, float]:
+                      cap: float, seqs: int, pass_of=None) -> tuple[int, float]:
         """best_saving, kept to passes of at most `exact_rows` tokens unless going beyond saves
         INEXACT_MARGIN steps more (a pass several sequences share is beyond it anyway)."""
-        g, saved = best_saving(costs, surv, step, fixed, base, value, cap)
+        g, saved = best_saving(costs, surv, step, fixed, base, value, cap, pass_of)
         limit = self.exact_rows
         if limit is None or seqs > 1 or g == 0 or base[0] + g <= limit:
             return g, saved

@@ -22,6 +22,7 @@ from .drafters import NO_DRAFT, Draft, Round
 from .drafters.model import ModelWant, draft_many
 from .errors import Aborted, BackendError, ConstraintError, DamagedModelError
 from .generation import Generation
+from .policy import Part, Share, micro_batches
 from .sampling import verify, verify_greedy, warp
 
 
@@ -86,7 +87,9 @@ def step(target, gens: list[Generation], width: int) -> None:
     alone = len(live) == 1
     rows_all, fed_all = sum(len(r) for _, _, r in parts), sum(len(t) for _, t, _ in parts)
     wants = sum(1 for _, inner, _, _ in plans if inner.source == "model")
-    timed = alone  # a shared pass is learnt from once, with all its rows
+    # a shared pass is learnt from once, with all its rows, and only when llama.cpp computed it
+    # in one go (several micro-batches are not a pass of that many rows)
+    timed = alone or len(micro_batches([Part(seq, len(toks), len(rows)) for seq, toks, rows in parts])) > 1
     for g, (draft, inner, n_forced, masks), (part, ask) in zip(live, plans, feeds):
         fed = len(part[1]) if part is not None else 0
         mine = alone or (part is not None and not timed)
@@ -148,15 +151,16 @@ def finish(g: Generation, reason: Optional[str], force: bool = False) -> None:
 def _drafts(target, live: list[Generation]):
     """Every generation's draft: (the whole draft, the drafter's part, how many tokens the
     constraint forced, the masks), the draft model's steps batched across the generations."""
-    n = len(live)
     mandatory = [len(g.tokens) - len(target.held(g.seq)) for g in live]  # tokens the pass feeds anyway
-    extra = 0  # drafts the generations before this one added to the pass
+    drafted = [0] * len(live)  # the drafts each generation before this one added to the pass
     staged = []
     try:
         for i, g in enumerate(live):
-            forced, inner = _plan(g, (sum(mandatory) - mandatory[i] + extra, n - 1 + extra, n))
+            others = tuple(Part(h.seq, m + d, d + (m > 0)) for j, (h, m, d) in enumerate(zip(live, mandatory, drafted))
+                           if j != i)
+            forced, inner = _plan(g, Share(g.seq, others))
             staged.append([g, forced, inner])
-            extra += len(forced) + (inner.n if isinstance(inner, ModelWant) else len(inner.tokens))
+            drafted[i] = len(forced) + (inner.n if isinstance(inner, ModelWant) else len(inner.tokens))
         wants = [s for s in staged if isinstance(s[2], ModelWant)]
         for s, d in zip(wants, draft_many([s[2] for s in wants]) if wants else []):
             s[2] = d

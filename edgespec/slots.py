@@ -52,7 +52,11 @@ class Sequences:
         free = [s for s in range(self.n) if s not in busy]
         if not free:
             raise RuntimeError("no free sequence: the engine admitted more generations than it has sequences")
-        seq = max(free, key=lambda s: (common_prefix(held(s), head), not held(s), -self._used.get(s, -1)))
+        # first a sequence that keeps the running ones' ids consecutive: llama.cpp computes a pass
+        # in one go only over consecutive sequences (a gap costs a second computation every
+        # round); the prompt's prefix comes by copy from whichever sequence holds it (_prepare)
+        seq = max(free, key=lambda s: (-_runs(set(busy) | {s}), common_prefix(held(s), head), not held(s),
+                                       -self._used.get(s, -1)))
         self._tick += 1
         self._used[seq] = self._tick
         return seq, self._prepare(seq, head)
@@ -181,3 +185,8 @@ class Sequences:
         self.prompt_row.clear()
         if self.cache is not None:
             self.cache.clear()
+
+
+def _runs(seqs: set) -> int:
+    """How many runs of consecutive ids `seqs` makes ({0, 1, 3}: 2)."""
+    return sum(1 for s in seqs if s - 1 not in seqs)

@@ -292,7 +292,8 @@ def test_the_policy_prices_a_shared_pass_so_a_cpu_drafts_less_beside_other_seque
     shared = Policy(cpu).choose(offer, room=8, base=(4, 4), seqs=4)
     assert alone.drafter == "copy" and alone.gamma >= 2
     assert shared.gamma <= alone.gamma // 2  # measured: 4 alone, 1 shared
-    assert Policy(gpu).choose(offer, room=8, base=(4, 4), seqs=4).gamma >= alone.gamma
+    # on a GPU a draft beside the others is a micro-batch of its own: priced as such below
+    assert Policy(gpu).choose(offer, room=8).gamma >= alone.gamma
 
 
 def test_a_long_prompt_joining_a_running_answer_goes_in_by_pieces_between_its_rounds(monkeypatch):
@@ -316,3 +317,50 @@ def test_a_long_prompt_joining_a_running_answer_goes_in_by_pieces_between_its_ro
     assert r.tokens == Engine(FakeBackend(p)).generate(long_prompt, max_tokens=5).tokens
     assert rest.tokens == Engine(FakeBackend(p)).generate([0, 1], max_tokens=40).tokens
     assert r.stats.reused_prompt_tokens == 0 and r.stats.prompt_tokens == 42
+
+
+def test_micro_batches_follow_llama_cpp_split_of_separate_kv_streams():
+    """llama.cpp (split_equal, sequential) puts consecutive sequence ids with equal token counts in
+    one computation: one sequence's draft beside three plain ones is two, a gap in the ids another."""
+    from edgespec.policy import Part, micro_batches
+    plain4 = [Part(s, 1, 1) for s in range(4)]
+    assert micro_batches(plain4) == [(4, 4)]
+    assert micro_batches([Part(0, 9, 9)] + plain4[1:]) == [(4, 4), (8, 8)]
+    assert micro_batches([Part(0, 4, 4), Part(1, 4, 4)]) == [(8, 8)]  # equal drafts stay one
+    assert micro_batches([Part(2, 1, 1), Part(0, 1, 1)]) == [(1, 1), (1, 1)]  # 0 and 2: never together
+    assert micro_batches([Part(0, 1, 1), Part(1, 1, 1), Part(3, 1, 1)]) == [(2, 2), (1, 1)]
+    # rows are a part's last tokens: 3 pending tokens with one row, beside a plain sequence
+    assert micro_batches([Part(0, 3, 1), Part(1, 1, 1)]) == [(2, 1), (2, 1)]
+    assert micro_batches([Part(0, 0, 0), Part(1, 2, 2)]) == [(2, 2)]
+
+
+def test_a_shared_pass_is_priced_by_its_micro_batches():
+    """A draft beside other sequences makes llama.cpp compute the pass twice, every weight read
+    again: where a computation's fixed cost dominates (a GPU-like curve) a short copy that pays
+    alone is not drafted beside three plain sequences, but rides along where another sequence's
+    draft of the same length already makes that second computation."""
+    from edgespec.policy import Offer, Part, Share
+    costs = Costs(tuple(0.020 + 0.002 * k for k in range(1, 33)))  # T(k) = 20 ms + 2 ms a row
+    assert costs.split_cost([Part(0, 9, 9)] + [Part(s, 1, 1) for s in (1, 2, 3)]) == pytest.approx(
+        costs.verify_cost(4) + costs.verify_cost(8))
+    offer = Offer(16, 2, "aligned")  # an aligned copy, two tokens on offer
+    alone = Policy(costs).choose(offer, room=8)
+    assert alone.drafter == "copy" and alone.gamma == 2
+    beside = Policy(costs).choose(offer, room=8, share=Share(0, tuple(Part(s, 1, 1) for s in (1, 2, 3))))
+    assert beside.drafter == "none"
+    joined = Policy(costs).choose(offer, room=8, share=Share(1, (Part(0, 3, 3), Part(2, 1, 1), Part(3, 1, 1))))
+    assert joined.drafter == "copy" and joined.gamma == 2
+
+
+def test_a_new_generation_takes_a_sequence_that_keeps_the_running_ids_consecutive():
+    """With sequences 0 and 2 running, a new request takes 1 (not 3, nor an idle one holding
+    more of its prompt: that prefix is copied over), so that every pass stays one computation."""
+    from edgespec.slots import Sequences, _runs
+    assert _runs({0, 1, 3}) == 2 and _runs({0, 1, 2}) == 1 and _runs(set()) == 0
+    p, _ = _greedy_tables(11)
+    target = FakeBackend(p, n_seq=4)
+    target.eval_batch([(3, [1, 2, 3, 4, 5, 6, 7, 8] * 3, [0])])  # sequence 3 holds the prompt's head
+    seqs = Sequences(target, None, n=4)
+    seq, _ = seqs.claim([1, 2, 3, 4, 5, 6, 7, 8] * 3 + [9], busy={0, 2})
+    assert seq == 1
+    assert target.held(1)[:16] == [1, 2, 3, 4, 5, 6, 7, 8] * 2  # copied, not evaluated again

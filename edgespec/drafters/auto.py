@@ -3,7 +3,7 @@ lookup hit), the draft model or no draft at all, and the draft length, from what
 passes cost now and the acceptance seen so far."""
 from __future__ import annotations
 
-from ..policy import Offer
+from ..policy import Offer, Share
 from . import NO_DRAFT, Draft, Round
 from .copy import CopyDrafter
 from .model import ModelWant, draft_many
@@ -51,8 +51,8 @@ class AutoDrafter:
 
     def plan(self, tokens, room, params, rng, guide=None, share=None):
         """`propose`, but a model draft comes back as a ModelWant (drafted in a batch with the
-        other sequences'); `share` = (tokens fed, rows, sequences) of the rest of the pass this
-        round makes: what a draft adds is priced against the whole pass."""
+        other sequences'); `share`: the rest of the pass this round makes (a policy.Share, or
+        (tokens fed, rows, sequences)): what a draft adds is priced against the whole pass."""
         if room <= 0:
             return NO_DRAFT
         m = self.copy.match(tokens, min(room, self.policy.max_gamma))
@@ -69,9 +69,13 @@ class AutoDrafter:
         # tokens past the committed ones are forced by the constraint: they ride in this round's
         # pass (fed, their rows decided by the mask), and a draft adds to that pass
         forced = max(0, len(tokens) - self._committed)
-        fed, rows, seqs = share or (0, 0, 1)
-        choice = self.policy.choose(offer, self.model is not None, room, self._lag,
-                                    (1 + forced + fed, 1 + rows), seqs)
+        if isinstance(share, Share):  # the other sequences' parts, priced by micro-batch
+            choice = self.policy.choose(offer, self.model is not None, room, self._lag, (1 + forced, 1),
+                                        share=share)
+        else:  # (tokens fed, rows, sequences) of the rest of the pass, or nothing
+            fed, rows, seqs = share or (0, 0, 1)
+            choice = self.policy.choose(offer, self.model is not None, room, self._lag,
+                                        (1 + forced + fed, 1 + rows), seqs)
         if choice.drafter in ("copy", "ngram"):
             return Draft(cont[:choice.gamma], None, choice.drafter)
         if choice.drafter == "model":

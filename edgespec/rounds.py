@@ -22,7 +22,7 @@ from .drafters import NO_DRAFT, Draft, Round
 from .drafters.model import ModelWant, draft_many
 from .errors import Aborted, BackendError, ConstraintError, DamagedModelError
 from .generation import Generation
-from .policy import Part, Share, micro_batches
+from .policy import Part, Share, exact_groups, micro_batches
 from .sampling import verify, verify_greedy, warp
 
 
@@ -78,7 +78,7 @@ def step(target, gens: list[Generation], width: int) -> None:
         tv = time.perf_counter()
         feeds = [_feed(g, target, draft.tokens, masks) for g, (draft, _, _, masks) in zip(live, plans)]
         parts = [part for part, _ in feeds if part is not None]
-        got = iter(target.eval_batch(parts) if parts else [])
+        got = iter(_verify(target, live, parts))
     except Exception as exc:
         for g in live:
             g.error, g.finished = exc, True
@@ -89,7 +89,8 @@ def step(target, gens: list[Generation], width: int) -> None:
     wants = sum(1 for _, inner, _, _ in plans if inner.source == "model")
     # a shared pass is learnt from once, with all its rows, and only when llama.cpp computed it
     # in one go (several micro-batches are not a pass of that many rows)
-    timed = alone or len(micro_batches([Part(seq, len(toks), len(rows)) for seq, toks, rows in parts])) > 1
+    timed = alone or len(micro_batches([Part(seq, len(toks), len(rows)) for seq, toks, rows in parts])) > 1 \
+        or _exact_cut(live, parts) is not None
     for g, (draft, inner, n_forced, masks), (part, ask) in zip(live, plans, feeds):
         fed = len(part[1]) if part is not None else 0
         mine = alone or (part is not None and not timed)
@@ -104,6 +105,30 @@ def step(target, gens: list[Generation], width: int) -> None:
             _commit(g, target, draft, inner, n_forced, logits, masks, width, info)
         except Exception as exc:  # this generation's failure (a dead-end constraint), not the others'
             g.error, g.finished = exc, True
+
+
+def _exact_cut(live: list[Generation], parts) -> Optional[list[list[int]]]:
+    """The parts by the passes that keep each within what llama.cpp computes exactly, where that
+    costs little more (policy.exact_groups, with the policy of the first lane that has one)."""
+    policy = next((g.drafter.policy for g in live if getattr(g.drafter, "policy", None) is not None), None)
+    if policy is None or len(parts) < 2:
+        return None
+    return exact_groups([Part(seq, len(toks), len(rows)) for seq, toks, rows in parts], policy.exact_rows,
+                        policy.costs)
+
+
+def _verify(target, live: list[Generation], parts) -> list:
+    """Each part's rows: one pass for all, or the passes `_exact_cut` chose."""
+    if not parts:
+        return []
+    groups = _exact_cut(live, parts)
+    if groups is None:
+        return target.eval_batch(parts)
+    out: list = [None] * len(parts)
+    for group in groups:
+        for i, rows in zip(group, target.eval_batch([parts[i] for i in group])):
+            out[i] = rows
+    return out
 
 
 def _limit(g: Generation) -> Optional[str]:

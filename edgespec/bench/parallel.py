@@ -142,7 +142,9 @@ def throughput(engine, items: list[dict], n: int, step: Callable[[str], None]) -
     for it, s, c in zip(items, serial, conc):
         parted = _parted(c["tokens"], s["tokens"])
         rows.append({"id": it["id"], "kind": it["kind"], "serial": _row(it, s), "concurrent": _row(it, c),
-                     "identical": parted is None, "first_divergence": parted})
+                     "identical": parted is None, "first_divergence": parted,
+                     "gap_at_divergence": None if parted is None else _gap(engine, it["prompt"], s["tokens"],
+                                                                            c["tokens"], parted)})
     s_tps = s_tok / s_wall if s_wall > 0 else 0.0
     c_tps = c_tok / wall if wall > 0 else 0.0
     return {"prompts": rows, "identical": all(r["identical"] for r in rows),
@@ -150,6 +152,23 @@ def throughput(engine, items: list[dict], n: int, step: Callable[[str], None]) -
             "concurrent": {"wall_s": wall, "tokens": c_tok, "tps": c_tps},
             "ratio": c_tps / s_tps if s_tps > 0 else None,
             "_answers": [s["tokens"] for s in serial]}
+
+
+def _gap(engine, prompt: str, ref: list[int], other: list[int], j: int) -> Optional[float]:
+    """Where two greedy answers parted: the target's logit of the serial answer's token less that
+    of the concurrent answer's, at that position (the prompt and the serial answer's first j
+    tokens evaluated alone, as one batch: within llama.cpp's batch rounding of the decode path).
+    A gap under the measured difference between a row alone and in a shared pass (0.4-0.6 logits
+    with repacked Q4_K weights) is a near-tie that kernel rounding can flip. None: one answer ended."""
+    if j >= len(ref) or j >= len(other):
+        return None
+    tokens = engine.chat_tokens(_messages(prompt)) + list(ref[:j])
+    engine.reset()
+    try:
+        row = engine.target.eval(tokens, [len(tokens) - 1], 0)[0]
+    finally:
+        engine.reset()
+    return round(float(row[ref[j]] - row[other[j]]), 3)
 
 
 def latency(engine, long_item: dict, short_item: dict, long_n: int, short_n: int,
@@ -270,7 +289,9 @@ def format_report(r: dict) -> str:
     for name, m in r["modes"].items():
         s, c = m["serial"], m["concurrent"]
         same = sum(p["identical"] for p in m["prompts"])
-        parted = [f"{p['id']} at {p['first_divergence']}" for p in m["prompts"] if not p["identical"]]
+        parted = [f"{p['id']} at {p['first_divergence']}"
+                  + (f", gap {p['gap_at_divergence']:.2f}" if p.get("gap_at_divergence") is not None else "")
+                  for p in m["prompts"] if not p["identical"]]
         lines.append(f"{name:<8} {s['tokens']:6d} {s['wall_s']:6.1f}s {s['tps']:6.1f}  {c['tokens']:7d} "
                      f"{c['wall_s']:6.1f}s {c['tps']:6.1f}  x{m['ratio'] or 0:5.2f}  {same}/{len(m['prompts'])}"
                      + (f" (parted: {', '.join(parted)})" if parted else ""))

@@ -96,6 +96,12 @@ PARALLEL_FLAGS = {
         help="requests generated at once (1..64), each with its own --ctx tokens: both models' KV caches grow "
         "N-fold, the weights do not (docs/memory.md). Default: as many as the memory budget allows with the "
         "wanted drafter and context, at most 4 (1 when not even one fits)"),
+    ("--parallel-exact",): dict(
+        action="store_true", default=False,
+        help="with --parallel and --drafter auto: cut the passes several requests share into passes "
+        "llama.cpp computes as it computes one request alone, so that a greedy answer given beside others "
+        "equals its answer alone (repacked Q4_K weights on x86 otherwise round a row of a 4-row pass "
+        "differently: a near-tie can flip). Costs throughput: 15-35%% on a 2-core CPU (docs/exactness.md)"),
 }
 
 
@@ -149,6 +155,7 @@ class Settings:
     verbose: bool = False              # llama.cpp's own logs
     flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (docs/memory.md)
     parallel: Optional[int] = None     # sequences generating at once, n_ctx each (None: as many as fit, up to 4)
+    parallel_exact: bool = False       # shared passes cut into exact ones (policy.exact_shared, --parallel-exact)
     # the memory modes (docs/memory.md#memory-modes), llama-server's names: repacked weight copies,
     # the KV caches' element types (the draft's None: the target's)
     repack: bool = True
@@ -175,6 +182,11 @@ class Settings:
         if self.flash_attn not in FLASH_ATTN:
             raise UsageError(f"flash_attn (--flash-attn) must be one of {', '.join(FLASH_ATTN)}, "
                              f"got {self.flash_attn!r}")
+        if not isinstance(self.parallel_exact, bool):
+            raise UsageError(f"parallel_exact must be True or False, got {self.parallel_exact!r}")
+        if self.parallel_exact and self.drafter != "auto":
+            raise UsageError(f"parallel_exact (--parallel-exact) needs drafter auto, not {self.drafter!r}: "
+                             "it keeps passes within what auto's calibration found exact")
         if not isinstance(self.repack, bool):
             raise UsageError(f"repack must be True or False, got {self.repack!r}")
         for name, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"), ("cache_type_k_draft", "-ctkd"),
@@ -459,8 +471,11 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
                           draft_identity=DiskCache.identity_of(db) if db is not None else None)
                 if settings.cache_dir else None)
         cache = PromptCache(cache_bytes, disk) if cache_bytes or disk is not None else None
-        return (tb, make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate, progress=progress),
-                cache)
+        made = make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate, progress=progress)
+        policy = getattr(made, "policy", None)
+        if policy is not None:
+            policy.exact_shared = settings.parallel_exact
+        return tb, made, cache
     except BaseException:
         if db is not None:
             db.close()

@@ -253,20 +253,17 @@ def micro_batches(parts) -> list[tuple[int, int]]:
     return out
 
 
-# A pass of several sequences that would feed more tokens than llama.cpp computes exactly (the
-# policy's exact_rows) is cut into passes within that limit when they cost at most this much more
-# than the pass as one: then every row is computed as the sequence alone would compute it, and a
-# greedy answer given beside others equals its answer alone. Where a shared row costs nearly a step
-# anyway (this project's 2-core AMD EPYC, calibrated: T(2) = 1.64 T(1), four sequences' rows in one
-# pass T(4) = 3.05, in two passes of two 3.28, 7.5% more) that is nearly free; where rows are cheap
-# (a GPU; a CPU where T(4) = 3.0 and T(2) = 1.75, 17% more) the pass stays whole.
-EXACT_SLACK = 0.10
-
-
-def exact_groups(parts, limit: Optional[int], costs: "Costs") -> Optional[list[list[int]]]:
+# With Policy.exact_shared (`--parallel-exact`) a pass of several sequences that would feed more
+# tokens than llama.cpp computes exactly (the policy's exact_rows) is cut into passes within that
+# limit: every row is then computed as the sequence alone would compute it, and a greedy answer given
+# beside others equals its answer alone. It costs throughput: on this project's 2-core AMD EPYC,
+# four Qwen 1.5B sequences in passes of two took 34.6 and 37.0 s against 30.4 and 25.6 s in one pass
+# each round (interleaved runs); llama.cpp's calibrated single-sequence costs (T(2) = 1.64, T(4) =
+# 3.05 steps) put the cut at only 7.5% more, so the policy cannot weigh it: the user chooses.
+def exact_groups(parts, limit: Optional[int], costs: "Costs", slack: float = math.inf) -> Optional[list[list[int]]]:
     """Indices of `parts` (Part) by the cheapest passes, sequences in id order, that keep each
     within `limit` tokens (a part beyond it alone), or None: one pass (no limit, within it already,
-    or the cut would cost more than EXACT_SLACK over the whole pass)."""
+    or the cut would cost more than `slack` (a share) over the whole pass)."""
     if limit is None or len(parts) < 2 or sum(p.fed for p in parts) <= limit:
         return None
     order = sorted(range(len(parts)), key=lambda i: parts[i].seq)
@@ -286,7 +283,7 @@ def exact_groups(parts, limit: Optional[int], costs: "Costs") -> Optional[list[l
         groups.append(order[j:i])
         i = j
     groups.reverse()
-    return groups if best[-1][0] <= (1 + EXACT_SLACK) * costs.split_cost(parts) else None
+    return groups if best[-1][0] <= (1 + slack) * costs.split_cost(parts) else None
 
 
 def rows_cheap(costs: "Costs") -> bool:
@@ -632,6 +629,8 @@ class Policy:
         # (calibrate.exact_rows); None: no such limit known
         self.exact_rows: Optional[int] = None
         self.inexact = 0  # rounds that made a longer pass: its saving was worth INEXACT_MARGIN
+        # passes several sequences share cut into passes within exact_rows (`exact_groups`)
+        self.exact_shared = False
 
     @property
     def costs(self) -> Costs:
@@ -739,13 +738,13 @@ class Policy:
     def _within_exact(self, costs: Costs, surv: list[float], step: float, fixed: float, base, value: float,
                       cap: float, seqs: int, pass_of=None) -> tuple[int, float]:
         """best_saving, kept to passes of at most `exact_rows` tokens unless going beyond saves
-        INEXACT_MARGIN steps more. Beside other sequences the same, where a shared pass is cut into
-        exact ones (`exact_groups`); where it is not, it is beyond the limit anyway."""
+        INEXACT_MARGIN steps more. Beside other sequences the same where shared passes are cut into
+        exact ones (`exact_shared`); where they are not, a shared pass is beyond the limit anyway."""
         g, saved = best_saving(costs, surv, step, fixed, base, value, cap, pass_of)
         limit = self.exact_rows
         if limit is None or g == 0 or base[0] + g <= limit:
             return g, saved
-        if seqs > 1 and exact_groups([Part(i, 1, 1) for i in range(seqs)], limit, costs) is None:
+        if seqs > 1 and not self.exact_shared:  # the shared pass is beyond the limit anyway
             return g, saved
         room = limit - base[0]
         g2, saved2 = best_saving(costs, surv[:room], step, fixed, base, value, cap) if room > 0 else (0, 0.0)

@@ -108,10 +108,10 @@ def step(target, gens: list[Generation], width: int) -> None:
 
 
 def _exact_cut(live: list[Generation], parts) -> Optional[list[list[int]]]:
-    """The parts by the passes that keep each within what llama.cpp computes exactly, where that
-    costs little more (policy.exact_groups, with the policy of the first lane that has one)."""
+    """The parts by the passes that keep each within what llama.cpp computes exactly, where the
+    policy (of the first lane that has one) is told to (`exact_shared`, --parallel-exact)."""
     policy = next((g.drafter.policy for g in live if getattr(g.drafter, "policy", None) is not None), None)
-    if policy is None or len(parts) < 2:
+    if policy is None or not policy.exact_shared or len(parts) < 2:
         return None
     return exact_groups([Part(seq, len(toks), len(rows)) for seq, toks, rows in parts], policy.exact_rows,
                         policy.costs)

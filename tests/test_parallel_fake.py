@@ -366,16 +366,16 @@ def test_a_new_generation_takes_a_sequence_that_keeps_the_running_ids_consecutiv
     assert target.held(1)[:16] == [1, 2, 3, 4, 5, 6, 7, 8] * 2  # copied, not evaluated again
 
 
-def test_a_shared_pass_is_cut_into_exact_passes_where_that_costs_little():
+def test_a_shared_pass_is_cut_into_the_cheapest_exact_passes():
     """Past the rows llama.cpp computes exactly (exact_rows) a shared pass is cut into passes within
-    it, the cheapest such cut, when it costs at most EXACT_SLACK more than one pass; not otherwise."""
-    from edgespec.policy import EXACT_SLACK, Part, exact_groups
+    it, in sequence order, the cheapest such cut (within `slack` of one pass, when one is given)."""
+    from edgespec.policy import Part, exact_groups
     four = [Part(s, 1, 1) for s in (3, 0, 2, 1)]  # any order: cut in sequence order
     linear = Costs((1.0, 1.64, 2.5, 3.05, 4.0))  # rows nearly a step each (this CPU, calibrated)
-    assert exact_groups(four, 3, linear) == [[1, 3], [2, 0]]  # sequences 0,1 then 2,3: 3.28 against 3.05
+    assert exact_groups(four, 3, linear) == [[1, 3], [2, 0]]  # sequences 0,1 then 2,3: 3.28 against 3.5
     assert exact_groups(four, None, linear) is None and exact_groups(four[:3], 3, linear) is None
-    cheap = Costs((1.0, 1.75, 2.4, 3.0, 3.5))  # batching pays: two passes of two cost 17% more
-    assert 2 * 1.75 > (1 + EXACT_SLACK) * 3.0 and exact_groups(four, 3, cheap) is None
+    cheap = Costs((1.0, 1.75, 2.4, 3.0, 3.5))  # batching pays: three rows and one cost 13% more
+    assert exact_groups(four, 3, cheap) == [[1, 3, 2], [0]] and exact_groups(four, 3, cheap, slack=0.1) is None
     # a part beyond the limit goes alone; the others are grouped within it
     parts = [Part(0, 5, 5), Part(1, 1, 1), Part(2, 1, 1)]
     flat = Costs(tuple(1.0 + 0.9 * k for k in range(8)))
@@ -383,14 +383,14 @@ def test_a_shared_pass_is_cut_into_exact_passes_where_that_costs_little():
 
 
 def test_a_round_of_four_sequences_is_cut_into_exact_passes():
-    """With an exact_rows limit and costs where cutting is cheap, the rounds of four sequences
+    """With exact_shared (--parallel-exact) and an exact_rows limit, the rounds of four sequences
     are computed as passes of at most that many tokens (the fake records each eval_batch), and
     every greedy answer equals its answer alone (the fake has no kernel rounding: what the real
     kernels round otherwise is in docs/exactness.md)."""
     p, _ = _greedy_tables(4)
     alone = [Engine(FakeBackend(p)).generate(pr, max_tokens=24).tokens for pr in PROMPTS]
     policy = Policy(Costs(tuple(0.01 * (1 + 0.9 * k) for k in range(16))))
-    policy.exact_rows = 2
+    policy.exact_rows, policy.exact_shared = 2, True
     engine = Engine(FakeBackend(p, n_seq=4), AutoDrafter(policy, CopyDrafter()), parallel=4)
     out: dict = {}
     start = threading.Barrier(4)
@@ -410,3 +410,12 @@ def test_a_round_of_four_sequences_is_cut_into_exact_passes():
     assert sum(len(b) == 2 for b in batches) >= 8  # rounds were shared, two sequences a pass
     assert all(sum(n for _, n, _ in b) <= 2 for b in batches if len(b) > 1)
     engine.close()
+
+
+def test_parallel_exact_is_a_setting_of_auto_only():
+    from edgespec.assemble import Settings
+    assert Settings(parallel=2, parallel_exact=True).validate().parallel_exact
+    with pytest.raises(UsageError, match="needs drafter auto"):
+        Settings(drafter="none", parallel=2, parallel_exact=True).validate()
+    with pytest.raises(UsageError, match="True or False"):
+        Settings(parallel_exact="yes").validate()

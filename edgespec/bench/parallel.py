@@ -262,6 +262,7 @@ def measure(spec, plain, items: list[dict], opts: ParallelOptions, progress=None
     ps = modes["none"]["serial"]["tps"]
     return {"target": str(spec.target.path), "draft": _draft_path(spec), "threads": spec.target.threads,
             "parallel": spec.parallel, "requests": len(items), "max_tokens": opts.max_tokens,
+            "parallel_exact": bool(getattr(getattr(spec.drafter, "policy", None), "exact_shared", False)),
             "long_tokens": opts.long_tokens, "short_tokens": opts.short_tokens, "temperature": 0.0,
             "modes": modes,
             "auto_concurrent_over_plain_serial": modes["auto"]["concurrent"]["tps"] / ps if ps > 0 else None,
@@ -282,7 +283,8 @@ def _draft_path(spec) -> Optional[str]:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"{r['requests']} requests on one engine with parallel={r['parallel']}, {r['max_tokens']} tokens "
+    lines = [f"{r['requests']} requests on one engine with parallel={r['parallel']}"
+             f"{' (auto: --parallel-exact)' if r.get('parallel_exact') else ''}, {r['max_tokens']} tokens "
              f"each, T=0, {r['threads']} threads; tok/s = all tokens / wall time",
              f"{'drafter':<8} {'serial':>6} {'wall':>7} {'tok/s':>6}  {'at once':>7} {'wall':>7} {'tok/s':>6}  "
              f"{'ratio':>6}  same answers"]

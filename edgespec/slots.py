@@ -24,6 +24,8 @@ log = logging.getLogger("edgespec")
 # llama.cpp copies the whole stream of cells (Qwen 1.5B at 4096 tokens: 112 MiB, tens of ms),
 # about what a prefill of a dozen tokens costs on a CPU.
 MIN_COPY = 16
+# llama.cpp's repacked CPU kernels take a batch's rows four at a time (the rest one by one)
+ROW_GROUP = 4
 
 
 class Sequences:
@@ -124,6 +126,11 @@ class Sequences:
         # the whole rest of the prompt in n_batch pieces, as plain llama.cpp decoding does (a
         # token's KV depends, in its last bits, on the batch it was computed in)
         kept = target.keep_prefix(tokens, seq)
+        # the rest is evaluated from a multiple of ROW_GROUP, as a prompt evaluated whole is cut into
+        # kernel row groups: its KV then comes out bit for bit as a fresh prefill's (repacked Q4_K
+        # computes a row in a full group of 4 otherwise than a leftover row)
+        if kept % ROW_GROUP and target.truncate(kept - kept % ROW_GROUP, seq):
+            kept -= kept % ROW_GROUP
         if limit is not None and len(tokens) - kept > limit:
             target.eval(tokens[kept:kept + limit], [], seq)
             return None, kept

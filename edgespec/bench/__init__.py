@@ -115,7 +115,7 @@ def add_arguments(p) -> None:
                    help="instead: N requests (default 4) one after another and then at once on one engine "
                    "with parallel=N, auto and plain, and a short request beside a long answer (bench/parallel.py)")
     p.add_argument("--parallel-exact", action="store_true",
-                   help="with --parallel-requests: auto's shared passes cut into exact ones (as serve --parallel-exact)")
+                   help="with --parallel-requests: auto's shared passes cut into exact ones (serve --parallel-exact)")
     p.add_argument("--peer", default=None, choices=("llama-server",),
                    help="instead: llama.cpp's llama-server (plain, draft-simple, ngram-mod) beside edgespec serve "
                    "(none, auto) on the same GGUFs through the same endpoint, interleaved; --trials defaults to 2 "

@@ -218,10 +218,13 @@ class Part(NamedTuple):
 
 class Share(NamedTuple):
     """The rest of a pass several sequences share, as a sequence planning its draft sees it:
-    its own sequence id and the other sequences' parts (their drafts, where already planned)."""
+    its own sequence id, the other sequences' parts (their drafts, where already planned) and the
+    tokens its own part feeds anyway (1: the last committed token; 0 in its first round, whose
+    prompt row is already computed)."""
 
     seq: int
     others: tuple[Part, ...]
+    own: int = 1
 
 
 def micro_batches(parts) -> list[tuple[int, int]]:
@@ -688,8 +691,12 @@ class Policy:
             fed, rows = base
             others = list(share.others)
 
+            memo: dict[int, float] = {}  # asked for by every drafter on offer, and the exact limit
+
             def pass_of(g: int) -> float:
-                return costs.split_cost(others + [Part(share.seq, fed + g, rows + g)])
+                if g not in memo:
+                    memo[g] = costs.split_cost(others + [Part(share.seq, fed + g, rows + g)])
+                return memo[g]
 
             plain = costs.split_cost([Part(p.seq, 1, 1) for p in others] + [Part(share.seq, 1, 1)])
             value = plain / seqs  # a plain token in this pass
@@ -747,7 +754,7 @@ class Policy:
         if seqs > 1 and not self.exact_shared:  # the shared pass is beyond the limit anyway
             return g, saved
         room = limit - base[0]
-        g2, saved2 = best_saving(costs, surv[:room], step, fixed, base, value, cap) if room > 0 else (0, 0.0)
+        g2, saved2 = best_saving(costs, surv[:room], step, fixed, base, value, cap, pass_of) if room > 0 else (0, 0.0)
         if saved - max(saved2, 0.0) >= INEXACT_MARGIN * costs.verify_cost(1):
             self.inexact += 1
             return g, saved

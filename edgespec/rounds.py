@@ -183,7 +183,7 @@ def _drafts(target, live: list[Generation]):
         for i, g in enumerate(live):
             others = tuple(Part(h.seq, m + d, d + (m > 0)) for j, (h, m, d) in enumerate(zip(live, mandatory, drafted))
                            if j != i)
-            forced, inner = _plan(g, Share(g.seq, others))
+            forced, inner = _plan(g, Share(g.seq, others, mandatory[i]))
             staged.append([g, forced, inner])
             drafted[i] = len(forced) + (inner.n if isinstance(inner, ModelWant) else len(inner.tokens))
         wants = [s for s in staged if isinstance(s[2], ModelWant)]

@@ -61,9 +61,9 @@ class Sequences:
                                        -self._used.get(s, -1)))
         self._tick += 1
         self._used[seq] = self._tick
-        return seq, self._prepare(seq, head)
+        return seq, self._prepare(seq, head, tokens)
 
-    def _prepare(self, seq: int, head: list[int]) -> bool:
+    def _prepare(self, seq: int, head: list[int], tokens: Optional[list[int]] = None) -> bool:
         target, cache = self.target, self.cache
         live = common_prefix(target.held(seq), head)
         donor, shared = None, live
@@ -100,9 +100,13 @@ class Sequences:
                 target.reset(seq)
                 return False
         if donor is not None:
+            row = self.prompt_row.get(donor)
+            if tokens is not None and row is not None and row[0] == tuple(tokens) \
+                    and target.held(donor)[:len(tokens)] == list(tokens):
+                shared = len(tokens)  # an exact repeat: its last row too, so it is not evaluated again
             target.copy_prefix(donor, seq, shared)
-            if donor in self.prompt_row:
-                self.prompt_row[seq] = self.prompt_row[donor]
+            if row is not None:
+                self.prompt_row[seq] = row
             d = self.draft
             if d is not None:
                 n = common_prefix(d.held(donor), head)

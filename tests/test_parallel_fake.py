@@ -292,8 +292,12 @@ def test_the_policy_prices_a_shared_pass_so_a_cpu_drafts_less_beside_other_seque
     shared = Policy(cpu).choose(offer, room=8, base=(4, 4), seqs=4)
     assert alone.drafter == "copy" and alone.gamma >= 2
     assert shared.gamma <= alone.gamma // 2  # measured: 4 alone, 1 shared
-    # on a GPU a draft beside the others is a micro-batch of its own: priced as such below
-    assert Policy(gpu).choose(offer, room=8).gamma >= alone.gamma
+    # on a GPU too a draft beside the others is a micro-batch of its own (one more computation):
+    # alone it drafts at least as long as the CPU, beside three plain sequences shorter than alone
+    from edgespec.policy import Part, Share
+    gpu_alone = Policy(gpu).choose(offer, room=8)
+    beside = Policy(gpu).choose(offer, room=8, share=Share(0, tuple(Part(s, 1, 1) for s in (1, 2, 3))))
+    assert gpu_alone.gamma >= alone.gamma and beside.gamma < gpu_alone.gamma
 
 
 def test_a_long_prompt_joining_a_running_answer_goes_in_by_pieces_between_its_rounds(monkeypatch):
@@ -359,11 +363,22 @@ def test_a_new_generation_takes_a_sequence_that_keeps_the_running_ids_consecutiv
     assert _runs({0, 1, 3}) == 2 and _runs({0, 1, 2}) == 1 and _runs(set()) == 0
     p, _ = _greedy_tables(11)
     target = FakeBackend(p, n_seq=4)
-    target.eval_batch([(3, [1, 2, 3, 4, 5, 6, 7, 8] * 3, [0])])  # sequence 3 holds the prompt's head
+    target.eval_batch([(3, [1, 2, 3, 4, 5, 6, 7, 0] * 3, [0])])  # sequence 3 holds the prompt's head
     seqs = Sequences(target, None, n=4)
-    seq, _ = seqs.claim([1, 2, 3, 4, 5, 6, 7, 8] * 3 + [9], busy={0, 2})
-    assert seq == 1
-    assert target.held(1)[:16] == [1, 2, 3, 4, 5, 6, 7, 8] * 2  # copied, not evaluated again
+    prompt = [1, 2, 3, 4, 5, 6, 7, 0] * 3 + [5]
+    seq, _ = seqs.claim(prompt, busy={0, 2})
+    assert seq == 1 and target.held(1) == prompt[:24]
+    target.batches.clear()
+    seqs.prefill(1, prompt)
+    assert target.batches == [[(1, 1, 1)]]  # only the prompt's own last token was evaluated
+    # an exact repeat of a prompt another sequence holds comes over whole, its last row too:
+    # nothing is evaluated (the row alone would round otherwise than in its batch)
+    seqs.prompt_row.clear()
+    target.reset()
+    seqs.prefill(3, prompt)
+    target.batches.clear()
+    seq, _ = seqs.claim(prompt, busy={0, 2})
+    assert seq == 1 and seqs.prefill(1, prompt)[1] == len(prompt) and target.batches == []
 
 
 def test_a_shared_pass_is_cut_into_the_cheapest_exact_passes():
@@ -419,3 +434,31 @@ def test_parallel_exact_is_a_setting_of_auto_only():
         Settings(drafter="none", parallel=2, parallel_exact=True).validate()
     with pytest.raises(UsageError, match="True or False"):
         Settings(parallel_exact="yes").validate()
+
+
+def test_an_exact_cut_returns_each_parts_rows_in_the_order_given():
+    from types import SimpleNamespace
+
+    from edgespec.rounds import _verify
+    p, _ = _greedy_tables(6)
+    target = FakeBackend(p, n_seq=4)
+    policy = Policy(Costs(tuple(0.01 * (1 + 0.9 * k) for k in range(8))))
+    policy.exact_rows, policy.exact_shared = 2, True
+    live = [SimpleNamespace(drafter=SimpleNamespace(policy=policy))]
+    parts = [(3, [1], [0]), (0, [2], [0]), (2, [3], [0]), (1, [4, 5], [0, 1])]
+    got = _verify(target, live, parts)
+    assert len(target.batches) > 1  # cut
+    for (_, tokens, rows), out in zip(parts, got):
+        assert np.array_equal(out, np.stack([target.table[tokens[r]] for r in rows]))
+
+
+def test_the_exact_limit_beside_others_prices_the_shared_pass():
+    """With --parallel-exact a draft is kept within exact_rows beside others too, and the shorter
+    draft it falls back to is priced on the shared pass (its micro-batches), not as if alone: here
+    one more token makes a third computation, which the pass's cap does not allow."""
+    from edgespec.policy import Offer, Part, Share
+    costs = Costs(tuple(0.020 + 0.0005 * k for k in range(1, 33)))
+    policy = Policy(costs)
+    policy.exact_rows, policy.exact_shared = 2, True
+    share = Share(1, (Part(0, 3, 3), Part(2, 1, 1), Part(3, 1, 1)))  # sequence 0 drafted 2
+    assert policy.choose(Offer(16, 8, "aligned"), room=8, share=share).drafter == "none"

@@ -70,8 +70,8 @@ class AutoDrafter:
         # pass (fed, their rows decided by the mask), and a draft adds to that pass
         forced = max(0, len(tokens) - self._committed)
         if isinstance(share, Share):  # the other sequences' parts, priced by micro-batch
-            choice = self.policy.choose(offer, self.model is not None, room, self._lag, (1 + forced, 1),
-                                        share=share)
+            choice = self.policy.choose(offer, self.model is not None, room, self._lag,
+                                        (share.own + forced, int(share.own > 0)), share=share)
         else:  # (tokens fed, rows, sequences) of the rest of the pass, or nothing
             fed, rows, seqs = share or (0, 0, 1)
             choice = self.policy.choose(offer, self.model is not None, room, self._lag,

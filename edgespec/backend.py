@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
 import threading
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -45,6 +46,66 @@ def set_verbose(verbose: bool) -> None:
     if not _backend_ready:
         L.llama_backend_init()
         _backend_ready = True
+
+
+class _Compute:
+    """One thread for every llama.cpp graph computation of the process (decodes, model loads).
+
+    llama-cpp-python's builds run ggml's CPU graphs on OpenMP, and libgomp keeps a team of
+    worker threads per thread that started a parallel region. Once there are more of them
+    than CPUs (a server's request threads each decoding in turn, a library called from a new
+    thread), libgomp throttles every team's spinning between the graph's operations, and each
+    operation waits for a sleeping worker to wake: measured on 2 cores, Qwen 1.5B, the same
+    decode step took 35-41 ms from the thread that ran the first one and 48-55 ms from any other,
+    and `serve --parallel 4` answered one request at a time in 7.5-9.3 s against 5.1-5.6 s with
+    --parallel 1. Computing on one thread keeps one team. A caller interrupted while it waits
+    (KeyboardInterrupt) stops a pass that can be stopped (`interrupt`), waits for llama.cpp to
+    return, and then raises: llama.cpp is never used by two threads at once."""
+
+    def __init__(self):
+        self._start_lock = threading.Lock()
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def _main(self) -> None:
+        while True:
+            fn, args, box, done = self._jobs.get()
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as exc:  # handed to the caller
+                box.append((False, exc))
+            finally:
+                done.set()
+
+    def call(self, fn, *args, interrupt: Optional[Callable[[], None]] = None):
+        t = self._thread
+        if t is not None and threading.current_thread() is t:
+            return fn(*args)
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
+                self._thread = threading.Thread(target=self._main, name="edgespec-llama", daemon=True)
+                self._thread.start()
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((fn, args, box, done))
+        pending: Optional[BaseException] = None
+        while not done.is_set():
+            try:
+                done.wait(0.25)  # with a timeout: an interrupt is seen even where no signal wakes the wait
+            except BaseException as exc:  # an interrupt while llama.cpp computes: stop it if it can be
+                if pending is None:
+                    pending = exc
+                    if interrupt is not None:
+                        interrupt()
+        if pending is not None:
+            raise pending
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+
+_compute = _Compute()
 
 
 def default_threads() -> int:
@@ -92,7 +153,7 @@ class LlamaBackend:
         mparams.n_gpu_layers = ALL_GPU_LAYERS if n_gpu_layers < 0 else n_gpu_layers
         if hasattr(mparams, "use_extra_bufts"):
             mparams.use_extra_bufts = bool(repack)
-        self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        self._model = _compute.call(L.llama_model_load_from_file, str(self.path).encode(), mparams)
         if not self._model:
             raise ModelFileError(f"llama.cpp could not load {self.path}: the file is damaged or "
                                  "of an unsupported architecture (run with --verbose for details)")
@@ -115,7 +176,7 @@ class LlamaBackend:
             cparams.flash_attn_type = FLASH_ATTN_TYPES[flash_attn]
         elif hasattr(cparams, "flash_attn"):  # llama.cpp before the auto setting: a bool
             cparams.flash_attn = flash_attn == "on"
-        self._ctx = L.llama_init_from_model(self._model, cparams)
+        self._ctx = _compute.call(L.llama_init_from_model, self._model, cparams)
         if not self._ctx:
             L.llama_model_free(self._model)
             self._model = None
@@ -152,6 +213,7 @@ class LlamaBackend:
         self._held: list[list[int]] = [[] for _ in range(n_seq)]
         self._stray: set[int] = set()
         self._abort_fn = None  # the ctypes callback while abort_when() is in force
+        self._interrupted = False  # the caller of the pass under way was interrupted (_Compute)
         self._piece_buf = threading.local()
         self._longest = None
         self._specials = None
@@ -270,6 +332,7 @@ class LlamaBackend:
         if len({seq for seq, _, _ in parts}) != len(parts):
             raise ValueError("eval_batch takes each sequence once")
         self._drop_stray()
+        self._interrupted = False
         outs = [np.empty((len(rows), self.n_vocab), dtype=np.float32) for _, _, rows in parts]
         # every token to feed: (part, its index in the part, the output row it fills or -1)
         flat = []
@@ -291,7 +354,7 @@ class LlamaBackend:
             batch.n_tokens = len(chunk)
             seqs = {parts[p][0] for p, _, _ in chunk}
             self._stray |= seqs  # until the bookkeeping below has caught up with llama.cpp
-            rc = L.llama_decode(self._ctx, batch)
+            rc = _compute.call(L.llama_decode, self._ctx, batch, interrupt=self._interrupt)
             if rc != 0:
                 # a failed decode may leave part of the batch in the cache: drop it
                 for seq in seqs:
@@ -319,7 +382,7 @@ class LlamaBackend:
 
         def check(_data) -> bool:
             try:
-                return bool(stop())
+                return self._interrupted or bool(stop())
             except BaseException:  # never raise into C
                 return False
         self._abort_fn = L.ggml_abort_callback(check)  # kept alive while llama.cpp may call it
@@ -329,6 +392,10 @@ class LlamaBackend:
         finally:
             L.llama_set_abort_callback(self._ctx, L.ggml_abort_callback(), None)
             self._abort_fn = None
+
+    def _interrupt(self) -> None:
+        """The caller of a pass was interrupted: a pass under `abort_when` stops now."""
+        self._interrupted = True
 
     def _drop_stray(self) -> None:
         """An interrupt (KeyboardInterrupt, an exception in a callback) between llama_decode and

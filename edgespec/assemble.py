@@ -4,6 +4,7 @@ library and the server all go through `Settings` and `Engine.from_settings` (whi
 `load_parts`)."""
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -97,11 +98,12 @@ PARALLEL_FLAGS = {
         "N-fold, the weights do not (docs/memory.md). Default: as many as the memory budget allows with the "
         "wanted drafter and context, at most 4 (1 when not even one fits)"),
     ("--parallel-exact",): dict(
-        action="store_true", default=False,
-        help="with --parallel and --drafter auto: cut the passes several requests share into passes "
-        "llama.cpp computes as it computes one request alone, so that a greedy answer given beside others "
-        "equals its answer alone (repacked Q4_K weights on x86 otherwise round a row of a 4-row pass "
-        "differently: a near-tie can flip). Costs throughput: 15-35%% on a 2-core CPU (docs/exactness.md)"),
+        action=argparse.BooleanOptionalAction, default=None,
+        help="with --drafter auto (the default): cut the passes several requests share into passes llama.cpp "
+        "computes as it computes one request alone, so that a greedy answer given beside others equals its "
+        "answer alone (repacked Q4_K weights on x86 round a row of a 4-row pass otherwise: a near-tie can "
+        "flip). On by default; --no-parallel-exact trades that for 10-20%% more throughput at once on a "
+        "2-core CPU (docs/exactness.md)"),
 }
 
 
@@ -155,7 +157,7 @@ class Settings:
     verbose: bool = False              # llama.cpp's own logs
     flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (docs/memory.md)
     parallel: Optional[int] = None     # sequences generating at once, n_ctx each (None: as many as fit, up to 4)
-    parallel_exact: bool = False       # shared passes cut into exact ones (policy.exact_shared, --parallel-exact)
+    parallel_exact: bool = True        # auto's shared passes cut into exact ones (policy.exact_shared)
     # the memory modes (docs/memory.md#memory-modes), llama-server's names: repacked weight copies,
     # the KV caches' element types (the draft's None: the target's)
     repack: bool = True
@@ -184,9 +186,6 @@ class Settings:
                              f"got {self.flash_attn!r}")
         if not isinstance(self.parallel_exact, bool):
             raise UsageError(f"parallel_exact must be True or False, got {self.parallel_exact!r}")
-        if self.parallel_exact and self.drafter != "auto":
-            raise UsageError(f"parallel_exact (--parallel-exact) needs drafter auto, not {self.drafter!r}: "
-                             "it keeps passes within what auto's calibration found exact")
         if not isinstance(self.repack, bool):
             raise UsageError(f"repack must be True or False, got {self.repack!r}")
         for name, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"), ("cache_type_k_draft", "-ctkd"),

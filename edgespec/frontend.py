@@ -250,8 +250,8 @@ def settings_from_args(args, **overrides):
                   models_file=args.models, verbose=getattr(args, "verbose", False))
     if getattr(args, "flash_attn", None) is not None:
         fields["flash_attn"] = args.flash_attn
-    if getattr(args, "parallel_exact", False):
-        fields["parallel_exact"] = True
+    if getattr(args, "parallel_exact", None) is not None:  # --parallel-exact / --no-parallel-exact
+        fields["parallel_exact"] = args.parallel_exact
     for name in ("repack", "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft"):
         if hasattr(args, name):  # the memory modes (every verb with the model flags, and plan)
             fields[name] = getattr(args, name)

@@ -427,13 +427,17 @@ def test_a_round_of_four_sequences_is_cut_into_exact_passes():
     engine.close()
 
 
-def test_parallel_exact_is_a_setting_of_auto_only():
+def test_parallel_exact_is_on_by_default_and_reaches_autos_policy():
     from edgespec.assemble import Settings
-    assert Settings(parallel=2, parallel_exact=True).validate().parallel_exact
-    with pytest.raises(UsageError, match="needs drafter auto"):
-        Settings(drafter="none", parallel=2, parallel_exact=True).validate()
+    from edgespec.cli import build_parser
+    from edgespec.frontend import settings_from_args
+    assert Settings(parallel=2).validate().parallel_exact
     with pytest.raises(UsageError, match="True or False"):
         Settings(parallel_exact="yes").validate()
+    parser = build_parser()
+    base = ["serve", "smollm2-135m", "-np", "2"]
+    assert settings_from_args(parser.parse_args(base)).parallel_exact is True
+    assert settings_from_args(parser.parse_args(base + ["--no-parallel-exact"])).parallel_exact is False
 
 
 def test_an_exact_cut_returns_each_parts_rows_in_the_order_given():

@@ -22,6 +22,8 @@ and their ratio; and the wall time of a short request (--max-tokens / 8) sent be
 """
 from __future__ import annotations
 
+import argparse
+
 import json
 import statistics
 import sys
@@ -114,8 +116,8 @@ def add_arguments(p) -> None:
     p.add_argument("--parallel-requests", nargs="?", type=int, const=4, default=None, metavar="N",
                    help="instead: N requests (default 4) one after another and then at once on one engine "
                    "with parallel=N, auto and plain, and a short request beside a long answer (bench/parallel.py)")
-    p.add_argument("--parallel-exact", action="store_true",
-                   help="with --parallel-requests: auto's shared passes cut into exact ones (serve --parallel-exact)")
+    p.add_argument("--parallel-exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --parallel-requests: auto's shared passes cut into exact ones (the default, as serve)")
     p.add_argument("--peer", default=None, choices=("llama-server",),
                    help="instead: llama.cpp's llama-server (plain, draft-simple, ngram-mod) beside edgespec serve "
                    "(none, auto) on the same GGUFs through the same endpoint, interleaved; --trials defaults to 2 "

@@ -11,7 +11,6 @@ at a time (each has the machine to itself); the figure is one run's: on a noisy 
 """
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgespec.bench.llama_server import Served, _free_port  # noqa: E402
+from edgespec.bench.parallel import _threads  # noqa: E402
 from edgespec.bench.workloads import default_workloads, load_workloads  # noqa: E402
 
 
@@ -28,20 +28,7 @@ def measure(server: Served, prompts: list[str], n: int) -> dict:
     for p in prompts:
         serial.append(server.ask(p, n))
     s_wall = time.perf_counter() - t0
-    conc: list = [None] * len(prompts)
-    gate = threading.Barrier(len(prompts) + 1)
-
-    def job(i):
-        gate.wait()
-        conc[i] = server.ask(prompts[i], n)
-    threads = [threading.Thread(target=job, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    gate.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    c_wall = time.perf_counter() - t0
+    conc, c_wall = _threads([lambda p=p: server.ask(p, n) for p in prompts])  # released together
     s_tok, c_tok = sum(x[1] for x in serial), sum(x[1] for x in conc)
     return {"serial_s": s_wall, "at_once_s": c_wall, "serial_tps": s_tok / s_wall, "at_once_tps": c_tok / c_wall,
             "ratio": (c_tok / c_wall) / (s_tok / s_wall), "equal": sum(a[0] == b[0] for a, b in zip(serial, conc))}

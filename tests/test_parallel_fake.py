@@ -124,16 +124,15 @@ def _greedy_tables(seed):
 PROMPTS = [[0, 1, 2], [3, 4], [5, 6, 7, 1], [2, 2, 3]]
 
 
-def test_greedy_answers_in_a_batch_equal_their_answers_alone_from_four_threads():
-    p, q = _greedy_tables(4)
-    alone = [Engine(FakeBackend(p)).generate(pr, max_tokens=40).tokens for pr in PROMPTS]
-    engine = _auto_engine(p, q, n=4)
+def _four_at_once(engine, n: int) -> list:
+    """PROMPTS' greedy answers from four threads, all four admitted before any reads (the first
+    round is everyone's)."""
     out: dict = {}
     start = threading.Barrier(4)
 
     def worker(i):
-        s = engine.stream(PROMPTS[i], max_tokens=40)
-        start.wait()  # all four admitted before any reads: the first round is everyone's
+        s = engine.stream(PROMPTS[i], max_tokens=n)
+        start.wait()
         out[i] = s.result().tokens
         s.close()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
@@ -141,7 +140,14 @@ def test_greedy_answers_in_a_batch_equal_their_answers_alone_from_four_threads()
         t.start()
     for t in threads:
         t.join(30)
-    assert [out[i] for i in range(4)] == alone
+    return [out.get(i) for i in range(4)]
+
+
+def test_greedy_answers_in_a_batch_equal_their_answers_alone_from_four_threads():
+    p, q = _greedy_tables(4)
+    alone = [Engine(FakeBackend(p)).generate(pr, max_tokens=40).tokens for pr in PROMPTS]
+    engine = _auto_engine(p, q, n=4)
+    assert _four_at_once(engine, 40) == alone
     assert max(len(parts) for parts in engine.target.batches) >= 2  # rounds were shared
 
 
@@ -407,20 +413,7 @@ def test_a_round_of_four_sequences_is_cut_into_exact_passes():
     policy = Policy(Costs(tuple(0.01 * (1 + 0.9 * k) for k in range(16))))
     policy.exact_rows, policy.exact_shared = 2, True
     engine = Engine(FakeBackend(p, n_seq=4), AutoDrafter(policy, CopyDrafter()), parallel=4)
-    out: dict = {}
-    start = threading.Barrier(4)
-
-    def worker(i):
-        s = engine.stream(PROMPTS[i], max_tokens=24)
-        start.wait()  # all four admitted before any reads: the first round is everyone's
-        out[i] = s.result().tokens
-        s.close()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert [out[i] for i in range(4)] == alone
+    assert _four_at_once(engine, 24) == alone
     batches = engine.target.batches
     assert sum(len(b) == 2 for b in batches) >= 8  # rounds were shared, two sequences a pass
     assert all(sum(n for _, n, _ in b) <= 2 for b in batches if len(b) > 1)

@@ -256,13 +256,14 @@ def micro_batches(parts) -> list[tuple[int, int]]:
     return out
 
 
-# With Policy.exact_shared (`--parallel-exact`) a pass of several sequences that would feed more
-# tokens than llama.cpp computes exactly (the policy's exact_rows) is cut into passes within that
-# limit: every row is then computed as the sequence alone would compute it, and a greedy answer given
-# beside others equals its answer alone. It costs throughput: on this project's 2-core AMD EPYC,
-# four Qwen 1.5B sequences in passes of two took 34.6 and 37.0 s against 30.4 and 25.6 s in one pass
-# each round (interleaved runs); llama.cpp's calibrated single-sequence costs (T(2) = 1.64, T(4) =
-# 3.05 steps) put the cut at only 7.5% more, so the policy cannot weigh it: the user chooses.
+# With Policy.exact_shared (`--parallel-exact`, on by default through Settings.parallel_exact) a pass
+# of several sequences that would feed more tokens than llama.cpp computes exactly (the policy's
+# exact_rows) is cut into passes within that limit: every row is then computed as the sequence alone
+# would compute it, and a greedy answer given beside others equals its answer alone. It costs
+# throughput where batching pays: `serve --parallel 4` on this project's 2-core AMD EPYC gave 1.23x at
+# once over serial with it, 1.45x without (scripts/parallel_servers.py). The calibrated
+# single-sequence costs cannot price the cut (two sequences' rows in one pass cost more than one
+# sequence's two rows: 1.92-2.30 steps against 1.58-1.98), so it is a setting, not a decision here.
 def exact_groups(parts, limit: Optional[int], costs: "Costs", slack: float = math.inf) -> Optional[list[list[int]]]:
     """Indices of `parts` (Part) by the cheapest passes, sequences in id order, that keep each
     within `limit` tokens (a part beyond it alone), or None: one pass (no limit, within it already,

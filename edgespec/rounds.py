@@ -78,7 +78,8 @@ def step(target, gens: list[Generation], width: int) -> None:
         tv = time.perf_counter()
         feeds = [_feed(g, target, draft.tokens, masks) for g, (draft, _, _, masks) in zip(live, plans)]
         parts = [part for part, _ in feeds if part is not None]
-        got = iter(_verify(target, live, parts))
+        cut = _exact_cut(live, parts)
+        got = iter(_verify(target, parts, cut))
     except Exception as exc:
         for g in live:
             g.error, g.finished = exc, True
@@ -89,8 +90,7 @@ def step(target, gens: list[Generation], width: int) -> None:
     wants = sum(1 for _, inner, _, _ in plans if inner.source == "model")
     # a shared pass is learnt from once, with all its rows, and only when llama.cpp computed it
     # in one go (several micro-batches are not a pass of that many rows)
-    timed = alone or len(micro_batches([Part(seq, len(toks), len(rows)) for seq, toks, rows in parts])) > 1 \
-        or _exact_cut(live, parts) is not None
+    timed = alone or cut is not None or len(micro_batches([Part(seq, len(t), len(r)) for seq, t, r in parts])) > 1
     for g, (draft, inner, n_forced, masks), (part, ask) in zip(live, plans, feeds):
         fed = len(part[1]) if part is not None else 0
         mine = alone or (part is not None and not timed)
@@ -117,11 +117,10 @@ def _exact_cut(live: list[Generation], parts) -> Optional[list[list[int]]]:
                         policy.costs)
 
 
-def _verify(target, live: list[Generation], parts) -> list:
-    """Each part's rows: one pass for all, or the passes `_exact_cut` chose."""
+def _verify(target, parts, groups: Optional[list[list[int]]] = None) -> list:
+    """Each part's rows: one pass for all, or a pass per group of parts (`_exact_cut`)."""
     if not parts:
         return []
-    groups = _exact_cut(live, parts)
     if groups is None:
         return target.eval_batch(parts)
     out: list = [None] * len(parts)

@@ -61,10 +61,11 @@ class Sequences:
                                        -self._used.get(s, -1)))
         self._tick += 1
         self._used[seq] = self._tick
-        return seq, self._prepare(seq, head, tokens)
+        return seq, self._prepare(seq, tokens)
 
-    def _prepare(self, seq: int, head: list[int], tokens: Optional[list[int]] = None) -> bool:
+    def _prepare(self, seq: int, tokens: list[int]) -> bool:
         target, cache = self.target, self.cache
+        head = tokens[:-1]
         live = common_prefix(target.held(seq), head)
         donor, shared = None, live
         for s in range(self.n):  # another sequence holding more of the prompt
@@ -101,7 +102,7 @@ class Sequences:
                 return False
         if donor is not None:
             row = self.prompt_row.get(donor)
-            if tokens is not None and row is not None and row[0] == tuple(tokens) \
+            if row is not None and row[0] == tuple(tokens) \
                     and target.held(donor)[:len(tokens)] == list(tokens):
                 shared = len(tokens)  # an exact repeat: its last row too, so it is not evaluated again
             target.copy_prefix(donor, seq, shared)

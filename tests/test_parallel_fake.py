@@ -436,14 +436,14 @@ def test_parallel_exact_is_on_by_default_and_reaches_autos_policy():
 def test_an_exact_cut_returns_each_parts_rows_in_the_order_given():
     from types import SimpleNamespace
 
-    from edgespec.rounds import _verify
+    from edgespec.rounds import _exact_cut, _verify
     p, _ = _greedy_tables(6)
     target = FakeBackend(p, n_seq=4)
     policy = Policy(Costs(tuple(0.01 * (1 + 0.9 * k) for k in range(8))))
     policy.exact_rows, policy.exact_shared = 2, True
     live = [SimpleNamespace(drafter=SimpleNamespace(policy=policy))]
     parts = [(3, [1], [0]), (0, [2], [0]), (2, [3], [0]), (1, [4, 5], [0, 1])]
-    got = _verify(target, live, parts)
+    got = _verify(target, parts, _exact_cut(live, parts))
     assert len(target.batches) > 1  # cut
     for (_, tokens, rows), out in zip(parts, got):
         assert np.array_equal(out, np.stack([target.table[tokens[r]] for r in rows]))

@@ -51,8 +51,8 @@ class AutoDrafter:
 
     def plan(self, tokens, room, params, rng, guide=None, share=None):
         """`propose`, but a model draft comes back as a ModelWant (drafted in a batch with the
-        other sequences'); `share`: the rest of the pass this round makes (a policy.Share, or
-        (tokens fed, rows, sequences)): what a draft adds is priced against the whole pass."""
+        other sequences'); `share`: the rest of the pass this round makes (a policy.Share; None:
+        this sequence alone): what a draft adds is priced against the whole pass."""
         if room <= 0:
             return NO_DRAFT
         m = self.copy.match(tokens, min(room, self.policy.max_gamma))
@@ -69,13 +69,9 @@ class AutoDrafter:
         # tokens past the committed ones are forced by the constraint: they ride in this round's
         # pass (fed, their rows decided by the mask), and a draft adds to that pass
         forced = max(0, len(tokens) - self._committed)
-        if isinstance(share, Share):  # the other sequences' parts, priced by micro-batch
-            choice = self.policy.choose(offer, self.model is not None, room, self._lag,
-                                        (share.own + forced, int(share.own > 0)), share=share)
-        else:  # (tokens fed, rows, sequences) of the rest of the pass, or nothing
-            fed, rows, seqs = share or (0, 0, 1)
-            choice = self.policy.choose(offer, self.model is not None, room, self._lag,
-                                        (1 + forced + fed, 1 + rows), seqs)
+        share = share or Share(-1, ())  # alone: the pass feeds the last committed token
+        choice = self.policy.choose(offer, self.model is not None, room, self._lag,
+                                    (share.own + forced, int(share.own > 0)), share=share)
         if choice.drafter in ("copy", "ngram"):
             return Draft(cont[:choice.gamma], None, choice.drafter)
         if choice.drafter == "model":

@@ -18,8 +18,17 @@ trial on freshly started servers (llama-server's ngram-mod keeps an n-gram memor
 answers across requests, and a repeated prompt would be answered from it). A
 request's speed is its completion tokens over its wall time at the client (prompt, queue, SSE
 and all: what an app sees); the table gives each server's median as a ratio to llama-server
-plain on the same prompt, and whether its answers equal llama-server plain's in the same trials
-(the text). JSON in bench-results/peer.json.
+plain on the same prompt. The servers' own `timings` (prompt_ms, predicted_ms: both servers
+report them) split that into the prompt's pass and the decoding, in a second table.
+
+The answers are compared with llama-server plain's answer to the prompt evaluated whole
+(`cache_prompt: false`, one untimed request a prompt and trial). Its timed answer is not the
+reference: llama-server reuses the prefix the previous prompt left in its cache, evaluates only
+the rest, and its kernels compute a row differently by where it falls in a batch, so its answer
+to a prompt depends on the prompt before it (creative-sea after creative-song parted from its
+answer after "Say hi." at character 87). edgespec cuts a reused prefix back to the kernels' row
+groups, so its answers do not depend on what came before. JSON in bench-results/peer.json, with
+the answers.
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ..errors import UsageError
 
@@ -92,18 +101,24 @@ class Served:
             time.sleep(0.25)
         raise UsageError(f"{self.name} did not become ready in {STARTUP_SECONDS} s (log: {self.log})")
 
-    def ask(self, prompt: str, max_tokens: int) -> tuple[str, int, float]:
-        """(answer text, completion tokens, wall seconds) of one chat request at T = 0."""
+    def ask(self, prompt: str, max_tokens: int, fresh: bool = False) -> "Answer":
+        """The answer to one chat request at T = 0, its size and times; `fresh`:
+        the whole prompt evaluated, nothing of it taken from the cache (llama-server's
+        `cache_prompt: false`)."""
         import httpx
         body = {"model": "x", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                 "temperature": 0, "stream": False}
+        if fresh:
+            body["cache_prompt"] = False
         t0 = time.perf_counter()
         r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=600)
         wall = time.perf_counter() - t0
         if r.status_code != 200:
             raise UsageError(f"{self.name} answered {r.status_code}: {r.text[:300]}")
         out = r.json()
-        return out["choices"][0]["message"]["content"] or "", int(out["usage"]["completion_tokens"]), wall
+        t = out.get("timings") or {}
+        return Answer(out["choices"][0]["message"]["content"] or "", int(out["usage"]["completion_tokens"]), wall,
+                      t.get("prompt_ms"), t.get("predicted_ms"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -128,12 +143,21 @@ def commands(binary: Path, target: Path, draft: Path, n_ctx: int, threads: int) 
             "edgespec auto": ours + ["--drafter", "auto"]}
 
 
+class Answer(NamedTuple):
+    text: str
+    tokens: int
+    wall: float                  # seconds at the client
+    prompt_ms: Optional[float]   # the server's own timings (None where it gave none)
+    predicted_ms: Optional[float]
+
+
 def run(target: Path, draft: Path, items: list[dict], *, binary: Path, n_ctx: int, threads: int, trials: int,
         max_tokens: int, out: Path, peers=PEERS) -> dict:
     logs = out.parent / "peer-logs"
     logs.mkdir(parents=True, exist_ok=True)
     cmds = commands(binary, target, draft, n_ctx, threads)
-    runs: dict[str, dict[str, list[tuple[str, int, float]]]] = {it["id"]: {n: [] for n in peers} for it in items}
+    runs: dict[str, dict[str, list[Answer]]] = {it["id"]: {n: [] for n in peers} for it in items}
+    whole: dict[str, list[str]] = {it["id"]: [] for it in items}  # the reference answers, a trial each
     total, done = len(items) * trials * len(peers), 0
     for trial in range(trials):
         # fresh servers every trial: nothing a server remembers (llama-server's n-gram memory of
@@ -156,50 +180,83 @@ def run(target: Path, draft: Path, items: list[dict], *, binary: Path, n_ctx: in
                     done += 1
                     print(f"\rbench: {done}/{total} requests ({it['id']}, {name})".ljust(72), end="",
                           file=sys.stderr, flush=True)
+                if REFERENCE in servers:  # untimed: the answer to the prompt evaluated whole
+                    whole[it["id"]].append(servers[REFERENCE].ask(it["prompt"], max_tokens, fresh=True).text)
         finally:
             for s in servers.values():
                 s.stop()
     print(file=sys.stderr)
-    rows = []
-    for it in items:
-        got_all = runs[it["id"]]
-        ref = got_all.get(REFERENCE)
-        row = {"id": it["id"], "kind": it["kind"], "peers": {}}
-        for name, got in got_all.items():
-            speeds = [n / wall for _, n, wall in got if wall > 0]
-            # equal to plain's answer in the same trial (llama-server plain itself may part from
-            # its own earlier answer: its batches differ when a prompt is partly cached)
-            same = [a[0] == b[0] for a, b in zip(got, ref)] if ref else []
-            row["peers"][name] = {"tok_s": statistics.median(speeds), "tokens": got[0][1],
-                                  "walls": [round(w, 3) for _, _, w in got],
-                                  "same_as_plain": all(same) if same else None,
-                                  "same_trials": sum(same), "stable": len({t for t, _, _ in got}) == 1}
-        base = row["peers"].get(REFERENCE, {}).get("tok_s")
-        for p in row["peers"].values():
-            p["ratio"] = round(p["tok_s"] / base, 3) if base else None
-        rows.append(row)
     report = {"target": str(target), "draft": str(draft), "threads": threads, "n_ctx": n_ctx, "trials": trials,
-              "max_tokens": max_tokens, "llama_server": str(binary), "rows": rows}
+              "max_tokens": max_tokens, "llama_server": str(binary), "reference": REFERENCE_WHOLE,
+              "rows": summarize(items, runs, whole)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     return report
 
 
+REFERENCE_WHOLE = f"{REFERENCE}, the prompt evaluated whole (cache_prompt: false)"
+
+
+def _median(xs: list) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(items: list[dict], runs: dict[str, dict[str, list[Answer]]], whole: dict[str, list[str]]) -> list[dict]:
+    """Per prompt and server: median speeds (over wall time; and decoding alone, from the
+    server's timings), the ratio to llama-server plain, and whether every trial's answer
+    equals the reference answer of the same trial."""
+    rows = []
+    for it in items:
+        got_all, ref = runs[it["id"]], whole.get(it["id"], [])
+        row = {"id": it["id"], "kind": it["kind"], "peers": {}}
+        for name, got in got_all.items():
+            same = [a.text == b for a, b in zip(got, ref)]
+            row["peers"][name] = {
+                "tok_s": _median([a.tokens / a.wall for a in got if a.wall > 0]),
+                "decode_tok_s": _median([(a.tokens - 1) / a.predicted_ms * 1000 for a in got
+                                         if a.predicted_ms and a.tokens > 1]),
+                "prompt_ms": _median([a.prompt_ms for a in got]),
+                "tokens": got[0].tokens, "walls": [round(a.wall, 3) for a in got],
+                "same_as_plain": all(same) if same else None, "same_trials": sum(same),
+                "stable": len({a.text for a in got}) == 1, "answer": got[0].text}
+        base = row["peers"].get(REFERENCE, {})
+        for p in row["peers"].values():
+            p["ratio"] = round(p["tok_s"] / base["tok_s"], 3) if base.get("tok_s") else None
+            p["decode_ratio"] = (round(p["decode_tok_s"] / base["decode_tok_s"], 3)
+                                 if p["decode_tok_s"] and base.get("decode_tok_s") else None)
+        rows.append(row)
+    return rows
+
+
 def format_table(report: dict) -> str:
     rows = report["rows"]
     names = list(rows[0]["peers"]) if rows else []
-    head = "| prompt | " + " | ".join(n for n in names) + " |"
-    lines = [f"tok/s over wall time as a ratio to {REFERENCE} (median of {report['trials']}), "
-             f"{report['max_tokens']}-token answers at T = 0; = : the answer equals {REFERENCE}'s", "",
-             head, "|" + " --- |" * (len(names) + 1)]
-    for r in rows:
-        cells = []
-        for n in names:
-            p = r["peers"][n]
-            mark = "" if n == REFERENCE else (" =" if p["same_as_plain"] else " ≠")
-            cells.append(f"{p['ratio']:.2f}{mark}" if n != REFERENCE else f"1.00 ({p['tok_s']:.1f} tok/s)")
-        lines.append(f"| {r['id']} ({r['kind']}, {r['peers'][names[0]]['tokens']} tok) | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def table(key: str, speed: str) -> list[str]:
+        lines = ["| prompt | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 1)]
+        for r in rows:
+            cells = []
+            for n in names:
+                p = r["peers"][n]
+                mark = "" if p.get("same_as_plain") is None else (" =" if p["same_as_plain"] else " ≠")
+                if p.get(key) is None:
+                    cells.append("-")
+                elif n == REFERENCE:
+                    cells.append(f"1.00 ({p[speed]:.1f} tok/s){mark}")
+                else:
+                    cells.append(f"{p[key]:.2f}{mark}")
+            head = f"| {r['id']} ({r['kind']}, {r['peers'][names[0]]['tokens']} tok) | "
+            lines.append(head + " | ".join(cells) + " |")
+        return lines
+
+    out = [f"tok/s over wall time as a ratio to {REFERENCE} (median of {report['trials']}), "
+           f"{report['max_tokens']}-token answers at T = 0; = : every trial's answer equals "
+           f"{report.get('reference', REFERENCE)}", ""] + table("ratio", "tok_s")
+    if any(p.get("decode_ratio") is not None for r in rows for p in r["peers"].values()):
+        out += ["", "decoding alone (the servers' own timings: tokens after the first over predicted_ms), "
+                "as a ratio to the same", ""] + table("decode_ratio", "decode_tok_s")
+    return "\n".join(out)
 
 
 def main(settings, opts, progress=None, llama_server: Optional[str] = None) -> int:

@@ -356,7 +356,7 @@ async def _answer(s: worker.Scheduler, request: Request, shape: Shape, stream: O
     shape.clock["t0"] = getattr(request.state, "t0", None) or time.perf_counter()
     shape.clock["queued"] = time.perf_counter()
     try:
-        job = s.submit(opener)
+        job = s.submit(opener, streamed=bool(stream))
     except worker.QueueFull:
         raise ApiError(503, f"the server is busy ({s.parallel} requests generate, {s.queue_size} wait): "
                        "retry later",

@@ -80,12 +80,22 @@ START, TEXT, END, ERROR, CANCELLED = "start", "text", "end", "error", "cancelled
 
 class Job:
     """One request's generation. `opener(engine)` returns the engine's Stream; it runs on a
-    generation thread and its events come back to the event loop through an asyncio queue."""
+    generation thread and its events come back to the event loop through an asyncio queue.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, opener: Callable[[Any], Any]):
+    Waking the event loop costs CPU time, and on a machine with as many cores as llama.cpp has
+    threads that time comes out of the next pass (its threads wait for each other at every
+    operation). So text is handed over only as often as someone reads it: a streamed answer's
+    text as it comes, in one wake-up for whatever arrived since the last one the loop took; an
+    answer returned whole, once, before its end (`streamed` False)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, opener: Callable[[Any], Any], streamed: bool = True):
         self._loop = loop
         self._open = opener
+        self._streamed = streamed
         self._events: asyncio.Queue = asyncio.Queue()
+        self._text: list[str] = []        # text not yet handed to the loop (generation thread side)
+        self._text_lock = threading.Lock()
+        self._flush_pending = False       # a hand-over is scheduled on the loop and has not run yet
         self._cancel = threading.Event()
         self._stream = None
         self._ended = False  # its last event was handed out: nothing left to cancel
@@ -136,7 +146,7 @@ class Job:
                 self._emit(START, None)
                 for ev in stream:
                     if ev.text:
-                        self._emit(TEXT, ev.text)
+                        self._add_text(ev.text)
                     if self._cancel.is_set():  # do not finish a round's accepted tokens for nobody
                         break
         except Exception as exc:
@@ -148,9 +158,33 @@ class Job:
         reason = "cancelled" if self._cancel.is_set() else (stream.finish_reason or "cancelled")
         self._emit(END, (stream.stats, reason, list(getattr(stream, "tool_calls", []))))
 
+    def _add_text(self, text: str) -> None:
+        with self._text_lock:
+            self._text.append(text)
+            if not self._streamed or self._flush_pending:
+                return
+            self._flush_pending = True
+        self._call(self._flush)
+
+    def _flush(self) -> None:  # event loop side: the text gathered so far, as one event
+        with self._text_lock:
+            text, self._text, self._flush_pending = "".join(self._text), [], False
+        if text:
+            self._events.put_nowait((TEXT, text))
+
     def _emit(self, kind: str, value) -> None:
+        # an end comes after the text not handed over yet (taken in the same callback: nothing
+        # comes between); START before any text (taken when the loop runs it, text added since
+        # would overtake it)
+        def put() -> None:
+            if kind != START:
+                self._flush()
+            self._events.put_nowait((kind, value))
+        self._call(put)
+
+    def _call(self, fn: Callable[[], None]) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
+            self._loop.call_soon_threadsafe(fn)
         except RuntimeError:  # the event loop is gone (server shut down): nobody listens
             self._cancel.set()
 
@@ -192,7 +226,7 @@ class Scheduler:
     def waiting(self) -> int:
         return sum(1 for job in self._jobs if not (job.future.running() or job.future.done()))
 
-    def submit(self, opener: Callable[[Any], Any]) -> Job:
+    def submit(self, opener: Callable[[Any], Any], streamed: bool = True) -> Job:
         if self.state != "ready":
             raise NotReady(self.state)
         # counted on this side, not by the threads: a job that just ended frees its place at once,
@@ -200,7 +234,7 @@ class Scheduler:
         if len(self._jobs) >= self.parallel + self.queue_size:
             raise QueueFull()
         loop = asyncio.get_running_loop()
-        job = Job(loop, opener)
+        job = Job(loop, opener, streamed)
         self._jobs.add(job)
         job.future = self._generators.submit(job.run, self.engine)
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished, job))

@@ -166,19 +166,25 @@ class Job:
             self._flush_pending = True
         self._call(self._flush)
 
-    def _flush(self) -> None:  # event loop side: the text gathered so far, as one event
+    def _take(self) -> str:
+        """The text gathered since the last hand-over (either thread)."""
         with self._text_lock:
             text, self._text, self._flush_pending = "".join(self._text), [], False
+        return text
+
+    def _flush(self) -> None:  # event loop side
+        text = self._take()
         if text:
             self._events.put_nowait((TEXT, text))
 
     def _emit(self, kind: str, value) -> None:
-        # an end comes after the text not handed over yet (taken in the same callback: nothing
-        # comes between); START before any text (taken when the loop runs it, text added since
-        # would overtake it)
+        # the text gathered so far is taken here, on the generation thread, so that it goes
+        # before this event and nothing added later can
+        text = self._take()
+
         def put() -> None:
-            if kind != START:
-                self._flush()
+            if text:
+                self._events.put_nowait((TEXT, text))
             self._events.put_nowait((kind, value))
         self._call(put)
 

@@ -23,7 +23,6 @@ and their ratio; and the wall time of a short request (--max-tokens / 8) sent be
 from __future__ import annotations
 
 import argparse
-
 import json
 import statistics
 import sys

@@ -158,6 +158,7 @@ class Settings:
     flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (docs/memory.md)
     parallel: Optional[int] = None     # sequences generating at once, n_ctx each (None: as many as fit, up to 4)
     parallel_exact: bool = True        # auto's shared passes cut into exact ones (policy.exact_shared)
+    bit_exact: bool = False            # auto's passes kept within the exact rows (policy.bit_exact)
     # the memory modes (docs/memory.md#memory-modes), llama-server's names: repacked weight copies,
     # the KV caches' element types (the draft's None: the target's)
     repack: bool = True
@@ -186,6 +187,8 @@ class Settings:
                              f"got {self.flash_attn!r}")
         if not isinstance(self.parallel_exact, bool):
             raise UsageError(f"parallel_exact must be True or False, got {self.parallel_exact!r}")
+        if not isinstance(self.bit_exact, bool):
+            raise UsageError(f"bit_exact (--bit-exact) must be True or False, got {self.bit_exact!r}")
         if not isinstance(self.repack, bool):
             raise UsageError(f"repack must be True or False, got {self.repack!r}")
         for name, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"), ("cache_type_k_draft", "-ctkd"),
@@ -474,6 +477,7 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
         policy = getattr(made, "policy", None)
         if policy is not None:
             policy.exact_shared = settings.parallel_exact
+            policy.bit_exact = settings.bit_exact
         return tb, made, cache
     except BaseException:
         if db is not None:
@@ -511,4 +515,5 @@ def make_policy(target, draft_backend=None, *, calibrate: str = "auto", progress
     trust = 0 if cal.provisional or cal.source == "defaults" else 3
     policy = Policy(OnlineCosts(cal.costs, source, prior=trust, persist=persist))
     policy.exact_rows = exact
+    policy.reproducible = True  # each generation decides on its own tokens and the adopted costs
     return policy

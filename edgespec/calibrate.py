@@ -476,8 +476,8 @@ EXACT_PROBE = 8  # rows the exactness probe tries at most
 def exact_rows(target, probe: int = EXACT_PROBE) -> Optional[int]:
     """The most tokens one pass may feed while each of its rows still gets, bit for bit, the
     logits a single-row decode gives; None when `probe` rows still do. On x86 CPUs with
-    repacked Q4_K weights: 3 (llama.cpp's 4-row kernels round otherwise); the policy keeps
-    passes within it unless going beyond pays (policy.INEXACT_MARGIN)."""
+    repacked Q4_K weights: 3 (llama.cpp's 4-row kernels round otherwise); an F16 target 1. With
+    `--bit-exact` the policy keeps passes within it (policy.Policy.bit_exact)."""
     if target.n_ctx < 64:
         return None
     filler = target.tokenize(FILLER * 2, add_bos=True)[:32]

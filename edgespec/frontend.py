@@ -133,6 +133,12 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
         from .assemble import REGISTRY
         p.add_argument("--drafter", default="auto", metavar="MODE",
                        help="; ".join(f"{k.name}: {k.help}" for k in REGISTRY.values()) + " (default auto)")
+        p.add_argument("--bit-exact", action="store_true",
+                       help="keep auto's verifying passes to the rows this build computes as a single-token "
+                       "decode does (measured at calibration): T = 0 answers then equal plain decoding's bit "
+                       "for bit, at the cost of speed where longer passes pay (a GPU, an F16 target). Default: "
+                       "the target's distribution exactly; at T = 0 its batched logits, as llama.cpp and vLLM "
+                       "verify (docs/exactness.md)")
     p.add_argument("--models", metavar="FILE", help="your own models.toml, extending the built-in one "
                    "(also $EDGESPEC_MODELS)")
     p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=4096, metavar="N",
@@ -247,7 +253,8 @@ def settings_from_args(args, **overrides):
                   n_ctx=args.ctx, threads=getattr(args, "threads", None), n_gpu_layers=args.n_gpu_layers,
                   draft_n_gpu_layers=args.draft_n_gpu_layers, gamma=getattr(args, "gamma", 4),
                   memory_budget=args.memory_budget, cache_ram=getattr(args, "cache_ram", None),
-                  models_file=args.models, verbose=getattr(args, "verbose", False))
+                  models_file=args.models, verbose=getattr(args, "verbose", False),
+                  bit_exact=getattr(args, "bit_exact", False))
     if getattr(args, "flash_attn", None) is not None:
         fields["flash_attn"] = args.flash_attn
     if getattr(args, "parallel_exact", None) is not None:  # --parallel-exact / --no-parallel-exact

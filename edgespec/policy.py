@@ -43,10 +43,11 @@ FEED_SHARE = 0.7
 SHARED_STRETCH = 2.0
 # On some builds a pass of more than a few rows computes every row otherwise than a single-row
 # decode (repacked Q4_K weights on x86 CPUs: up to 3 rows bit for bit, 4 and more 0.4-0.6 apart
-# in their logits, as 4-row kernels take over): a greedy answer then parts from plain decoding's
-# at near-ties. Where the calibration found such a limit (`Policy.exact_rows`), a draft that
-# makes the pass longer must save at least this many steps more than the best draft within it.
-INEXACT_MARGIN = 1.0
+# in their logits, as 4-row kernels take over; an F16 target, and GPUs, from 2 rows on): a greedy
+# answer then parts from plain decoding's at near-ties. With `Policy.bit_exact` (`--bit-exact`) a
+# single sequence's passes never go beyond the limit the calibration found (`Policy.exact_rows`);
+# by default they go where the saving is, and the answer is the target's distribution exactly (at
+# T = 0: the target's batched logits, as llama.cpp and vLLM verify).
 
 # Run-length buckets (lower edges) and the prior per-token acceptance of each. Fresh lookup
 # hits: below what the workloads showed for every kind (about 0.2 0.45 0.6 0.75 0.8 0.85 0.95
@@ -359,6 +360,17 @@ class OnlineCosts:
         self.persisted: Optional[Costs] = None
         self._offsets: Optional[list[float]] = None
         self._current: Optional[Costs] = None
+        # the table reproducible decisions are made on (Policy.start): the calibration, replaced
+        # only by a correction that held (`_maybe_persist`); `version` counts the replacements
+        self.adopted: Costs = self.current()
+        self.version = 0
+
+    @property
+    def settled(self) -> bool:
+        """Whether decisions may be made on the adopted table: the calibration is trusted (`prior`),
+        or a correction of it has held. A doubtful calibration (measured under load: T(1) taken as
+        3.6 s on a busy machine) is followed pass by pass until one has."""
+        return not self.learn or self.prior > 0 or self.version > 0
 
     # -- what the policy reads ----------------------------------------------------------------
     @property
@@ -499,18 +511,20 @@ class OnlineCosts:
         return q[3 * len(q) // 4] - q[len(q) // 4] if len(q) >= 8 else 0.0
 
     def _maybe_persist(self) -> None:
-        """Write the corrected curve back once it has held over PERSIST_AFTER passes with a
-        steady level, so that the next load starts from what the device does now."""
-        if self.persist is None or self.passes < self.PERSIST_AFTER or len(self.level_obs) < self.WINDOW:
+        """Adopt the corrected curve once it has held over PERSIST_AFTER passes with a steady
+        level (later generations decide on it), and write it back, so that the next load starts
+        from what the device does now."""
+        if self.passes < self.PERSIST_AFTER or len(self.level_obs) < self.WINDOW:
             return
-        ref = self.persisted or self.base
         now = self.current()
-        moved = max(abs(_log_ratio(a, b)) for a, b in zip(now.verify, ref.verify))
+        moved = max(abs(_log_ratio(a, b)) for a, b in zip(now.verify, self.adopted.verify))
         if moved < self.PERSIST_GAP:
             return
         if self.noise() > self.PERSIST_GAP:  # the device is not steady now: no lasting conclusion
             return
-        if self.persist(now):
+        self.adopted = now
+        self.version += 1
+        if self.persist is not None and self.persist(now):
             self.persisted = now
 
     def describe(self) -> dict:
@@ -522,6 +536,7 @@ class OnlineCosts:
              "t1_ms": round(1000 * now.verify[0], 2), "t1_calibrated_ms": round(1000 * self.base.verify[0], 2),
              "level": round(math.exp(self.level), 3),
              "explorations": self.explorations, "written_back": self.persisted is not None,
+             "costs_version": self.version,
              # per row count seen: the median of its latest passes and what is believed now
              "pass_ms": {k: [round(1000 * median(self.raw[k]), 1), round(1000 * now.verify_cost(k), 1)]
                          for k in sorted(self.raw)}}
@@ -632,14 +647,49 @@ class Policy:
         # the most tokens a pass may feed and still compute each row as a single-row decode does
         # (calibrate.exact_rows); None: no such limit known
         self.exact_rows: Optional[int] = None
-        self.inexact = 0  # rounds that made a longer pass: its saving was worth INEXACT_MARGIN
+        # passes kept within exact_rows (`--bit-exact`): T = 0 answers equal plain decoding's
+        self.bit_exact = False
         # passes several sequences share cut into passes within exact_rows (`exact_groups`)
         self.exact_shared = False
+        # decisions a function of the generation alone (`start`): the acceptance tables from their
+        # priors, the costs of the adopted table, explorations on a schedule of the generation's
+        # rounds. Off (a simulation, a test): one policy learns across generations from timings.
+        self.reproducible = False
+        self._frozen: Optional[Costs] = None
+        self._round = 0
+        self._schedule: dict[str, tuple[int, int]] = {}
+
+    def fork(self) -> "Policy":
+        """A policy for another sequence: the same device costs (one `OnlineCosts`, learnt from
+        every sequence's passes) and settings; with `reproducible`, acceptance of its own."""
+        if not self.reproducible:
+            return self
+        p = Policy(self.online, self.max_gamma, self.model_prior)
+        p.exact_rows, p.bit_exact, p.exact_shared, p.reproducible = (
+            self.exact_rows, self.bit_exact, self.exact_shared, True)
+        return p
+
+    def start(self) -> None:
+        """A generation begins. With `reproducible` (and a settled cost table) its drafting
+        decisions depend on its own tokens only: the same request under the same settings makes
+        the same passes, so its T = 0 answer repeats whatever the timings measured meanwhile."""
+        if not self.reproducible:
+            return
+        self.reset()
+        self._round = 0
+        self._schedule = {}
+        self._frozen = self.online.adopted if self.online.settled else None
+
+    @property
+    def fixed_costs(self) -> bool:
+        """This generation decides on the adopted table (not on timings measured during it)."""
+        return self._frozen is not None
 
     @property
     def costs(self) -> Costs:
-        """The costs believed now (calibrated, then corrected by what the passes showed)."""
-        return self.online.current()
+        """The costs decided on: with `reproducible`, the table adopted when the generation
+        began; else those believed now (calibrated, then corrected by what the passes showed)."""
+        return self._frozen if self._frozen is not None else self.online.current()
 
     def reset(self) -> None:
         """Forget what was learnt about acceptance (the benchmark starts every run from the
@@ -680,8 +730,9 @@ class Policy:
         is priced by its micro-batches (`Costs.split_cost`): a draft that makes it two
         computations pays for the second one."""
         self._model_lag = model_lag
-        costs = self.online.current()
+        costs = self.costs
         self.online.tick()
+        self._round += 1
         t1 = costs.verify_cost(1)
         if share is None and seqs > 1:  # base counts the others: one token and row each
             share = Share(0, tuple(Part(i, 1, 1) for i in range(1, seqs)))
@@ -741,25 +792,38 @@ class Policy:
         # a test beside other sequences would cost them a micro-batch of its own: tests are made alone
         best = self._explore(best, tests if seqs <= 1 else [], t1)
         self.decisions[best.drafter] = self.decisions.get(best.drafter, 0) + 1
+        if self._frozen is not None:  # what this round's pass shows, on the generation's own schedule
+            self._observed(self.online.bucket(best.gamma + 1), best.explore)
+            if best.drafter == "model":
+                self._observed("draft", best.explore)
         return best
+
+    def _due(self, key: str, stretch: float = 1.0) -> bool:
+        """`OnlineCosts.due`, or with `reproducible` its deterministic twin: rounds of this
+        generation since `key` was last observed, against a patience that doubles with each
+        observation (timings cannot move it, so they cannot change a decision). Not while the
+        costs are not settled: a doubtful calibration is re-tested as the timings say."""
+        if self._frozen is None:
+            return self.online.due(key, stretch)
+        if not self.online.learn:
+            return False
+        last, patience = self._schedule.get(key, (0, OnlineCosts.PATIENCE[1]))
+        return self._round - last > stretch * patience
+
+    def _observed(self, key: str, tested: bool) -> None:
+        first, most = OnlineCosts.PATIENCE[1], OnlineCosts.PATIENCE[2]
+        _, patience = self._schedule.get(key, (0, first))
+        self._schedule[key] = (self._round, min(2 * patience, most) if tested else patience)
 
     def _within_exact(self, costs: Costs, surv: list[float], step: float, fixed: float, base, value: float,
                       cap: float, seqs: int, pass_of=None) -> tuple[int, float]:
-        """best_saving, kept to passes of at most `exact_rows` tokens unless going beyond saves
-        INEXACT_MARGIN steps more. Beside other sequences the same where shared passes are cut into
-        exact ones (`exact_shared`); where they are not, a shared pass is beyond the limit anyway."""
-        g, saved = best_saving(costs, surv, step, fixed, base, value, cap, pass_of)
-        limit = self.exact_rows
-        if limit is None or g == 0 or base[0] + g <= limit:
-            return g, saved
-        if seqs > 1 and not self.exact_shared:  # the shared pass is beyond the limit anyway
-            return g, saved
-        room = limit - base[0]
-        g2, saved2 = best_saving(costs, surv[:room], step, fixed, base, value, cap, pass_of) if room > 0 else (0, 0.0)
-        if saved - max(saved2, 0.0) >= INEXACT_MARGIN * costs.verify_cost(1):
-            self.inexact += 1
-            return g, saved
-        return g2, saved2
+        """best_saving; with `bit_exact`, kept to passes of at most `exact_rows` tokens (beside
+        other sequences the same where shared passes are cut into exact ones, `exact_shared`;
+        where they are not, a shared pass is beyond the limit anyway)."""
+        limit = self.exact_rows if self.bit_exact else None
+        if limit is not None and not (seqs > 1 and not self.exact_shared):
+            surv = surv[:max(0, limit - base[0])]
+        return best_saving(costs, surv, step, fixed, base, value, cap, pass_of) if surv else (0, -math.inf)
 
     def _explore(self, choice: Choice, tests: list[Choice], t1: float) -> Choice:
         """Re-test what the policy stopped doing once its patience ran out: a plain pass while
@@ -771,8 +835,8 @@ class Policy:
             # a plain pass never seen yet is checked early: the calibration may have recorded
             # it while something else ran, and every draft is judged against it
             key = online.bucket(1)
-            if online.due(key) or (online.learn and key not in online.last_seen
-                                   and online.rounds > online.PATIENCE[0]):
+            unseen = key not in (self._schedule if self._frozen is not None else online.last_seen)
+            if self._due(key) or (online.learn and unseen and self._rounds() > online.PATIENCE[0]):
                 online.explorations += 1
                 return Choice("none", 0, 1.0 / t1, explore=True)
             return choice
@@ -781,14 +845,17 @@ class Policy:
             # the believed loss of a test, spread over its patience, stays under EXPLORE_LOSS
             # of a step per round: a wrong belief of any size is re-tested, rarely if dear
             stretch = max(1.0, loss / (EXPLORE_LOSS * t1))
-            if any(online.due(k, stretch) for k in keys):
+            if any(self._due(k, stretch) for k in keys):
                 online.explorations += 1
                 return Choice(test.drafter, 1, test.tokens_per_second, explore=True)
         return choice
 
+    def _rounds(self) -> int:
+        return self._round if self._frozen is not None else self.online.rounds
+
     def _one_draft_loss(self, choice: Choice) -> float:
         """Expected seconds lost by a one-token draft from this drafter, against plain decoding."""
-        costs = self.online.current()
+        costs = self.costs
         if choice.drafter == "model":
             p, step = self.model.mean, (costs.draft_step or 0.0) + costs.catch_up(self._model_lag)
         else:

@@ -52,10 +52,11 @@ def scaled(costs, verify=1.0, step=1.0, one=None):
     return Costs(tuple(v), costs.draft_step * step)
 
 
-def run(believed, device, n=600, **kw):
+def run(believed, device, n=600, reproducible=False, **kw):
     """Replay `n` tokens with a policy that believes `believed` on a device whose costs at
     round i are `device(i)`; per round, (drafter used, drafted, accepted)."""
     policy = Policy(OnlineCosts(believed, "calibrated", **kw), max_gamma=8)
+    policy.reproducible = reproducible
     drafter = AutoDrafter(policy, None, StubModel())
     done = [0]
     observe = drafter.observe
@@ -263,3 +264,58 @@ def test_a_draft_is_priced_by_what_it_adds_to_the_pass_made_anyway():
     # riding in a pass that already feeds three forced tokens, the same draft pays
     g2, saved2 = best_saving(costs, surv, base=(4, 1))
     assert saved2 > 0 and saved2 > saved
+
+
+def _reproducible(believed, prior=3):
+    policy = Policy(OnlineCosts(believed, "calibrated", prior=prior), max_gamma=8)
+    policy.reproducible = True
+    return policy
+
+
+def _generation(policy, device, n=300, seed=0):
+    """One generation of `n` tokens replayed on a device whose passes take `device`'s costs."""
+    drafter = AutoDrafter(policy, None, StubModel(seed=seed))
+    return replay(drafter, device, PROMPT, OUT[:n], clock=device.verify_cost)[1]
+
+
+def test_reproducible_decisions_do_not_depend_on_the_timings_a_generation_measures():
+    """Issue 39: auto's choices follow the calibrated table within a generation, so two runs of
+    one request make the same passes (and give the same T = 0 tokens) on a device whose passes
+    took other times: here 3x slower rows and a noisy clock, against the calibrated figures."""
+    quiet = _generation(_reproducible(GPU), GPU)
+    noisy = random.Random(1)
+    dearer = Costs(tuple(c * (3 + noisy.random()) for c in GPU.verify), GPU.draft_step)
+    assert _generation(_reproducible(GPU), dearer) == quiet
+    assert model_share(quiet, 0) > 0.9
+    # the same policy's next generation of the same request: the same passes again (acceptance
+    # starts from its priors, explorations on the generation's own schedule)
+    policy = _reproducible(GPU)
+    assert _generation(policy, GPU) == _generation(policy, GPU) == quiet
+    # without it, the policy follows the timings within the generation (the old behaviour)
+    unfrozen = Policy(OnlineCosts(GPU, "calibrated"), max_gamma=8)
+    assert _generation(unfrozen, CPU) != _generation(_reproducible(GPU), CPU)
+
+
+def test_a_correction_that_holds_is_adopted_for_the_next_generation():
+    # rows believed free, dear on the device: the first generation drafts on its table; the
+    # correction it measured holds (PERSIST_AFTER passes, a steady level), so the next decides on
+    # the corrected table, exactly as a policy calibrated with it would, and drafts far less
+    policy = _reproducible(GPU)
+    first = _generation(policy, CPU)
+    version, adopted = policy.online.version, policy.online.adopted
+    assert model_share(first, 0) > 0.9 and version >= 1 and adopted.verify_cost(4) > 2 * GPU.verify_cost(4)
+    second = _generation(policy, CPU)
+    assert second == _generation(_reproducible(adopted), CPU)
+    assert model_share(second, 0) < model_share(first, 0) - 0.3
+    assert policy.online.describe()["costs_version"] >= version
+
+
+def test_a_doubtful_calibration_is_followed_within_the_generation():
+    # measured while a core was busy (provisional: prior 0): not settled, so decisions follow the
+    # passes until a correction holds, as before
+    rounds, policy = run(scaled(CPU, verify=3, step=3, one=60), lambda i: CPU, reproducible=True, prior=0)
+    assert not policy.fixed_costs
+    assert model_share(rounds, 60) < 0.05
+    # trusted (prior 3), the same table is kept for the whole generation: it drafts throughout
+    rounds, policy = run(scaled(CPU, verify=3, step=3, one=60), lambda i: CPU, reproducible=True)
+    assert policy.fixed_costs and model_share(rounds, 60) > 0.9

@@ -1,13 +1,15 @@
 """Passes kept to the rows a build computes exactly (issue 28): with repacked Q4_K weights on an
 x86 CPU a pass of 4+ rows rounds every row otherwise than a single-row decode, and a greedy
 answer parts from plain decoding's at near-ties. The calibration probes the limit; the policy
-keeps passes within it unless going beyond saves INEXACT_MARGIN steps."""
+keeps passes within it with `bit_exact` (--bit-exact) only: by default (issue 39) it drafts where
+the saving is, as llama.cpp and vLLM do, and an exact_rows of 1 (an F16 target, a GPU) no longer
+rules out the draft model."""
 from __future__ import annotations
 
 import numpy as np
 
 from edgespec.calibrate import exact_rows
-from edgespec.policy import INEXACT_MARGIN, Costs, Offer, Policy
+from edgespec.policy import Costs, Offer, Policy
 from fakes import FakeBackend
 
 GPU = Costs(tuple(0.05 * (1 + 0.02 * (k - 1)) for k in range(1, 33)), draft_step=0.005)
@@ -36,21 +38,30 @@ def test_the_probe_finds_the_largest_exact_pass():
         assert b.cache == []  # it leaves the sequence empty
 
 
-def test_a_marginal_draft_stays_within_the_exact_rows_and_a_long_copy_goes_beyond():
-    # a model draft at 60%: on a GPU-like device it would draft long; within 3 rows it drafts 2
+def test_bit_exact_keeps_every_draft_within_the_exact_rows_and_the_default_does_not():
+    # a model draft at 60%: on a GPU-like device it drafts long; within 3 rows it drafts 2
     p = Policy(GPU)
-    free = p.choose(None, has_model=True, room=16)
     p.exact_rows = 3
+    free = p.choose(None, has_model=True, room=16)
+    p.bit_exact = True
     kept = p.choose(None, has_model=True, room=16)
     assert free.drafter == kept.drafter == "model" and free.gamma > 2 and kept.gamma == 2
-    # an aligned copy 16 tokens into its run saves far more than INEXACT_MARGIN steps beyond it
+    # an aligned copy 16 tokens into its run: beyond the limit by default, within it with bit_exact
     p = Policy(GPU)
     p.exact_rows = 3
+    assert p.choose(Offer(16, 16, "aligned"), room=16).gamma > 2
+    p.bit_exact = True
     copy = p.choose(Offer(16, 16, "aligned"), room=16)
-    assert copy.drafter == "copy" and copy.gamma > 2 and p.inexact == 1
-    # a shared pass (several sequences' rows) is beyond the limit anyway: no rule there
+    assert copy.drafter == "copy" and copy.gamma == 2
+    # exact_rows 1 (an F16 target): the default drafts with the model, bit_exact never drafts
+    p = Policy(GPU)
+    p.exact_rows = 1
+    assert p.choose(None, has_model=True, room=16).drafter == "model"
+    p.bit_exact = True
+    assert p.choose(None, has_model=True, room=16).drafter == "none"
+    assert p.choose(Offer(16, 16, "aligned"), has_model=True, room=16).drafter == "none"
+    # a shared pass (several sequences' rows, not cut into exact passes) is beyond the limit anyway
     shared = dict(has_model=True, room=16, base=(4, 4), seqs=4)
     p = Policy(GPU)
-    p.exact_rows = 3
+    p.exact_rows, p.bit_exact = 3, True
     assert p.choose(None, **shared) == Policy(GPU).choose(None, **shared)
-    assert INEXACT_MARGIN >= 1.0

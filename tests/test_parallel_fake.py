@@ -450,12 +450,12 @@ def test_an_exact_cut_returns_each_parts_rows_in_the_order_given():
 
 
 def test_the_exact_limit_beside_others_prices_the_shared_pass():
-    """With --parallel-exact a draft is kept within exact_rows beside others too, and the shorter
+    """With --bit-exact and --parallel-exact a draft is kept within exact_rows beside others too, and the shorter
     draft it falls back to is priced on the shared pass (its micro-batches), not as if alone: here
     one more token makes a third computation, which the pass's cap does not allow."""
     from edgespec.policy import Offer, Part, Share
     costs = Costs(tuple(0.020 + 0.0005 * k for k in range(1, 33)))
     policy = Policy(costs)
-    policy.exact_rows, policy.exact_shared = 2, True
+    policy.exact_rows, policy.exact_shared, policy.bit_exact = 2, True, True
     share = Share(1, (Part(0, 3, 3), Part(2, 1, 1), Part(3, 1, 1)))  # sequence 0 drafted 2
     assert policy.choose(Offer(16, 8, "aligned"), room=8, share=share).drafter == "none"

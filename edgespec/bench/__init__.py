@@ -38,7 +38,8 @@ from .peers import ArgmaxDrafts, LookupPeer
 from .report import format_table, plot, summarize
 from .workloads import default_workloads, load_workloads
 
-MODES = ("auto", "model", "ngram", "lookup-peer")
+# auto-bit-exact: auto with --bit-exact (passes within the rows the build computes exactly) beside it
+MODES = ("auto", "auto-bit-exact", "model", "ngram", "lookup-peer")
 STRUCTURED = "structured"  # the kind that runs bench/structured.py
 STRUCTURED_TOKENS = 512    # its default answer budget: a JSON answer cut short is invalid
 
@@ -177,6 +178,10 @@ def _engines(main, modes, sweep, gamma):
     for m in modes:
         if m == "auto":
             out[m] = main
+        elif m == "auto-bit-exact":
+            exact = make_drafter("auto", main.target, model.backend if model is not None else None, gamma=gamma)
+            exact.policy.bit_exact = True
+            out[m] = Engine(main.target, exact)
         elif m == "model" and model is not None:
             out[m] = Engine(main.target, make_drafter("model", main.target, model.backend, gamma=gamma))
         elif m == "ngram":

@@ -33,6 +33,7 @@ class AutoDrafter:
 
     def begin(self, tokens: list[int]) -> None:
         # the draft model catches up on the prompt at its first draft, a cost the policy weighs
+        self.policy.start()
         self.copy.begin(tokens)
         self._committed = len(tokens)
         if self.model is not None:
@@ -40,10 +41,11 @@ class AutoDrafter:
 
     def fork(self, seq: int) -> "AutoDrafter":
         """The lane for sequence `seq`: its own copy drafter, the same draft model (its sequence
-        `seq`) and the same policy: what drafts are accepted and what passes cost is learnt from
-        every sequence (a lane starting from the priors drafted 50 tokens a request, at 20%
-        acceptance, where the seasoned lane drafted one)."""
-        return AutoDrafter(self.policy, self.copy.fork(seq), self.model.fork(seq) if self.model is not None else None)
+        `seq`) and the policy's fork: what passes cost is learnt from every sequence; with
+        reproducible decisions (the engine's default) acceptance is each generation's own, else
+        it is shared too."""
+        return AutoDrafter(self.policy.fork(), self.copy.fork(seq),
+                           self.model.fork(seq) if self.model is not None else None)
 
     def propose(self, tokens, room, params, rng, guide=None) -> Draft:
         d = self.plan(tokens, room, params, rng, guide)
@@ -109,10 +111,14 @@ class AutoDrafter:
         """Where the cost figures came from and how far the passes have moved them."""
         d = self.policy.online.describe()
         d["decisions"] = dict(self.policy.decisions)
-        # the longest pass computed as single-row decodes compute (None: no limit found), and how
-        # often a draft went beyond it because it saved enough
-        d["exact_rows"] = self.policy.exact_rows
-        d["beyond_exact"] = self.policy.inexact
+        # the longest pass computed as single-row decodes compute (None: no limit found), whether
+        # passes are kept within it, and whether this generation decided on a fixed table
+        p = self.policy
+        d["exact_rows"] = p.exact_rows
+        d["bit_exact"] = p.bit_exact
+        d["reproducible"] = p.fixed_costs
+        d["law"] = ("plain decoding's tokens at T = 0" if p.bit_exact else
+                    "the target's distribution exactly; at T = 0 the target's batched logits")
         return d
 
     def reset(self) -> None:

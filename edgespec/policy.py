@@ -624,6 +624,12 @@ def best_gamma(costs: Costs, alpha: float, draft_step: float, max_gamma: int) ->
 
 
 EXPLORE_LOSS = 0.25  # steps a re-test of drafting is believed to lose, at most, per patience period
+# The acceptance a good same-family draft model reaches on work it suits (Qwen2.5-Coder 0.5B for the
+# 1.5B on fresh code: 0.8-0.9 per token). A generation that has not tried its draft model tries it
+# once, at the length this acceptance would pay, where that would repay the model's catch-up on the
+# context within the tokens left: the test costs little where rows are dear (it is never made) and
+# finds the model where they are cheap (an F16 target, a GPU), whatever the prior says.
+MODEL_HOPE = 0.85
 
 
 class Policy:
@@ -658,6 +664,7 @@ class Policy:
         self._frozen: Optional[Costs] = None
         self._round = 0
         self._schedule: dict[str, tuple[int, int]] = {}
+        self._hoped = False  # the draft model's first test was made (`_hope`)
 
     def fork(self) -> "Policy":
         """A policy for another sequence: the same device costs (one `OnlineCosts`, learnt from
@@ -678,6 +685,7 @@ class Policy:
         self.reset()
         self._round = 0
         self._schedule = {}
+        self._hoped = False
         self._frozen = self.online.adopted if self.online.settled else None
 
     @property
@@ -781,14 +789,19 @@ class Policy:
         if has_model and room > 0 and costs.draft_step is not None:
             alpha = self.model.lower(CAUTION)
             surv = [alpha ** j for j in range(1, min(room, self.max_gamma) + 1)]
-            g, saved = self._within_exact(costs, surv, costs.draft_step, costs.catch_up(model_lag), base, value,
-                                          cap, seqs, pass_of)
+            # the catch-up is paid once for the rounds the model drafts from now on: its share here
+            fixed = costs.catch_up(model_lag) * min(1.0, (1.0 + sum(surv)) / room)
+            g, saved = self._within_exact(costs, surv, costs.draft_step, fixed, base, value, cap, seqs, pass_of)
             if g:
                 tests.append(Choice("model", g, _tps(costs, surv[:g], costs.draft_step)))
                 if saved > saving:
                     runner_up, saving = tests[-1], saved
         if runner_up.gamma and saving > MARGIN * t1:
             best = runner_up
+        if best.drafter == "none" and tests and tests[-1].drafter == "model" and seqs <= 1:
+            hope = self._hope(costs, room, model_lag, base, value, pass_of)
+            if hope is not None:
+                tests.insert(0, hope)
         # a test beside other sequences would cost them a micro-batch of its own: tests are made alone
         best = self._explore(best, tests if seqs <= 1 else [], t1)
         self.decisions[best.drafter] = self.decisions.get(best.drafter, 0) + 1
@@ -825,6 +838,20 @@ class Policy:
             surv = surv[:max(0, limit - base[0])]
         return best_saving(costs, surv, step, fixed, base, value, cap, pass_of) if surv else (0, -math.inf)
 
+    def _hope(self, costs: Costs, room: int, lag: int, base, value: float, pass_of) -> Optional[Choice]:
+        """The draft model's first test in a generation (MODEL_HOPE), or None: tried already, or
+        it could not repay its catch-up within the tokens left even at that acceptance."""
+        if self.model.seen or self._hoped:
+            return None
+        surv = [MODEL_HOPE ** j for j in range(1, min(room, self.max_gamma) + 1)]
+        g, saved = self._within_exact(costs, surv, costs.draft_step, 0.0, base, value, math.inf, 1, pass_of)
+        if g == 0 or saved <= 0:
+            return None
+        per_token = saved / (1.0 + sum(surv[:g]))
+        if per_token * room <= costs.catch_up(lag):
+            return None
+        return Choice("model", g, _tps(costs, surv[:g], costs.draft_step), explore=True)
+
     def _explore(self, choice: Choice, tests: list[Choice], t1: float) -> Choice:
         """Re-test what the policy stopped doing once its patience ran out: a plain pass while
         drafting, or a one-token draft while decoding plainly: verifying 2 rows is tested with
@@ -840,6 +867,10 @@ class Policy:
                 online.explorations += 1
                 return Choice("none", 0, 1.0 / t1, explore=True)
             return choice
+        if tests and tests[0].explore:  # the draft model's first test (`_hope`): made at once
+            self._hoped = True
+            online.explorations += 1
+            return tests[0]
         for loss, test in sorted(((self._one_draft_loss(t), t) for t in tests), key=lambda lt: lt[0]):
             keys = [online.bucket(2)] + (["draft"] if test.drafter == "model" else [])
             # the believed loss of a test, spread over its patience, stays under EXPLORE_LOSS

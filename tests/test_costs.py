@@ -299,14 +299,13 @@ def test_reproducible_decisions_do_not_depend_on_the_timings_a_generation_measur
 def test_a_correction_that_holds_is_adopted_for_the_next_generation():
     # rows believed free, dear on the device: the first generation drafts on its table; the
     # correction it measured holds (PERSIST_AFTER passes, a steady level), so the next decides on
-    # the corrected table, exactly as a policy calibrated with it would, and drafts far less
+    # the corrected table, exactly as a policy calibrated with it would
     policy = _reproducible(GPU)
     first = _generation(policy, CPU)
     version, adopted = policy.online.version, policy.online.adopted
     assert model_share(first, 0) > 0.9 and version >= 1 and adopted.verify_cost(4) > 2 * GPU.verify_cost(4)
     second = _generation(policy, CPU)
     assert second == _generation(_reproducible(adopted), CPU)
-    assert model_share(second, 0) < model_share(first, 0) - 0.3
     assert policy.online.describe()["costs_version"] >= version
 
 
@@ -319,3 +318,26 @@ def test_a_doubtful_calibration_is_followed_within_the_generation():
     # trusted (prior 3), the same table is kept for the whole generation: it drafts throughout
     rounds, policy = run(scaled(CPU, verify=3, step=3, one=60), lambda i: CPU, reproducible=True)
     assert policy.fixed_costs and model_share(rounds, 60) > 0.9
+
+
+def test_a_generation_tries_its_draft_model_where_a_good_one_would_repay_its_catch_up():
+    """Issue 39: the prior (0.6) says the draft model does not pay on a device where a row costs
+    half a step; a draft model accepted 85% of the time would. The generation tries it once, at
+    the length that acceptance pays, and keeps it when it is that good; where rows cost nearly a
+    step (a 2-core CPU), or the tokens left cannot repay the catch-up, it never tries."""
+    dear = Costs(tuple(T1 * (1 + 0.3 * (k - 1)) for k in range(1, 33)), draft_step=0.3 * T1, draft_prefill=0.1 * T1)
+    hoped = Policy(dear).choose(None, has_model=True, room=200, model_lag=2)
+    assert hoped.drafter == "model" and hoped.explore  # the prior alone would not draft: a test
+    p = _reproducible(dear)
+    p.start()
+    first = p.choose(None, has_model=True, room=200, model_lag=100)
+    assert first.drafter == "model" and first.explore and first.gamma > 1
+    p.model_outcome(first.gamma, first.gamma)  # all accepted: it stays
+    assert p.choose(None, has_model=True, room=199, model_lag=2).drafter == "model"
+    # the same device with 8 tokens left: 100 tokens of catch-up are not repaid
+    p.start()
+    assert p.choose(None, has_model=True, room=8, model_lag=100).drafter == "none"
+    # a CPU: never, however many tokens are left
+    p = _reproducible(CPU)
+    p.start()
+    assert all(p.choose(None, has_model=True, room=500, model_lag=100).drafter == "none" for _ in range(20))

@@ -225,3 +225,38 @@ def test_stream_text_equals_generate_text_and_marks_draft_tokens(smol, smol_draf
     assert sum(hist) in (s["rounds"], s["rounds"] - 1)
     assert sum(n * c for n, c in enumerate(hist)) == s["accepted"]
     assert json.loads(json.dumps(s)) == s
+
+
+EDIT = ("Rename the variable `total` to `acc` everywhere in this function and show the whole function:\n\n"
+        "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    if not xs:\n"
+        "        return 0\n    return total / len(xs)\n")
+
+
+@pytest.mark.qwen
+def test_bit_exact_equals_plain_and_the_default_repeats_itself_qwen_pair(qwen_pair):
+    """Issue 39. With bit_exact auto keeps every pass within the rows this build computes as a
+    single-token decode does, and its T = 0 tokens equal plain decoding's, bit for bit, also on an
+    edit, where the default drafts long copies beyond that limit. The default's decisions are a
+    function of the request: the same request twice on one engine, and on a second engine, gives
+    the same tokens (timings measured meanwhile cannot change a draft)."""
+    target, draft = qwen_pair
+    n = 40
+    with Engine.load(str(target), draft=str(draft), n_ctx=1024, bit_exact=True) as eng:
+        for prompt in (EDIT, PROMPTS[0]):
+            ptoks = eng.chat_tokens([{"role": "user", "content": prompt}])
+            plain, _ = plain_greedy_with_logits(eng.target, ptoks, n)
+            eng.reset()
+            r = eng.generate(ptoks, max_tokens=len(plain))
+            assert r.tokens == plain
+            assert r.stats.costs["bit_exact"] is True
+    runs = []
+    for _ in range(2):
+        with Engine.load(str(target), draft=str(draft), n_ctx=1024) as eng:
+            ptoks = eng.chat_tokens([{"role": "user", "content": EDIT}])
+            for _ in range(2):
+                r = eng.generate(ptoks, max_tokens=n)
+                assert r.stats.costs["reproducible"] is True and r.stats.costs["bit_exact"] is False
+                runs.append((r.tokens, {k: (v["rounds"], v["drafted"], v["accepted"])
+                                        for k, v in r.stats.by_drafter.items()}))
+    assert all(run == runs[0] for run in runs)  # the same tokens, from the same drafts
+    assert runs[0][1].get("copy", (0,))[0] + runs[0][1].get("ngram", (0,))[0] > 0  # it copied

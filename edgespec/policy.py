@@ -630,6 +630,7 @@ EXPLORE_LOSS = 0.25  # steps a re-test of drafting is believed to lose, at most,
 # context within the tokens left: the test costs little where rows are dear (it is never made) and
 # finds the model where they are cheap (an F16 target, a GPU), whatever the prior says.
 MODEL_HOPE = 0.85
+HOPE_EVIDENCE = 2  # tokens of the model's drafts judged before the hope is given up untried
 
 
 class Policy:
@@ -841,7 +842,7 @@ class Policy:
     def _hope(self, costs: Costs, room: int, lag: int, base, value: float, pass_of) -> Optional[Choice]:
         """The draft model's first test in a generation (MODEL_HOPE), or None: tried already, or
         it could not repay its catch-up within the tokens left even at that acceptance."""
-        if self.model.seen or self._hoped:
+        if self.model.seen > HOPE_EVIDENCE or self._hoped:  # a one-token re-test says little: still hoped
             return None
         surv = [MODEL_HOPE ** j for j in range(1, min(room, self.max_gamma) + 1)]
         g, saved = self._within_exact(costs, surv, costs.draft_step, 0.0, base, value, math.inf, 1, pass_of)

@@ -182,6 +182,9 @@ class Engine(PromptBuilder):
                              "cut back after a rejected draft: speculation is impossible, use --drafter none")
         n_seq = getattr(target, "n_seq", 1)
         self.parallel = n_seq if parallel is None else int(parallel)
+        # each sequence's rows in passes of their own (Settings.parallel_exact, on through from_settings):
+        # a row computed beside another sequence's rows rounds otherwise (SmolLM2 Q4_1, 2 threads)
+        self.exact_shared = False
         draft = self._draft_backend()
         held = min(n_seq, getattr(draft, "n_seq", n_seq)) if draft is not None else n_seq
         if not 1 <= self.parallel <= held:
@@ -230,7 +233,9 @@ class Engine(PromptBuilder):
         ensure()  # a build that crashes or computes wrong on this machine: one line, not SIGSEGV
         target, drafter, cache = load_parts(settings, download=download, calibrate=calibrate, progress=progress)
         try:
-            return cls(target, drafter, cache)
+            engine = cls(target, drafter, cache)
+            engine.exact_shared = settings.parallel_exact
+            return engine
         except BaseException:
             if drafter is not None:
                 drafter.close()
@@ -433,7 +438,7 @@ class Engine(PromptBuilder):
                 except Exception as exc:  # its prompt failed (a damaged model): its own error
                     g.error, g.finished = exc, True
         try:
-            rounds.step(self.target, [g for g in gens if g.started], self.n_vocab)
+            rounds.step(self.target, [g for g in gens if g.started], self.n_vocab, self.exact_shared)
         finally:
             with self._round_done:
                 self._round_done.notify_all()

@@ -335,7 +335,8 @@ class OnlineCosts:
     PATIENCE = (4, 16, 256)       # rounds between explorations: after a surprise, at first, at most
     AGREE = math.log(1.3)         # an observation within 30% of the belief agrees with it
     PERSIST_AFTER = 24            # passes observed before a lasting disagreement is written back
-    PERSIST_GAP = math.log(1.25)  # how far the belief must have moved from the stored figures
+    PERSIST_GAP = math.log(1.5)   # how far the belief must have moved from the adopted figures (each
+    # adoption changes the decisions of later generations: 1.25 churned with the noise of a 2-core CPU)
 
     def __init__(self, base: Costs, source: str = "calibrated", prior: int = 3,
                  persist: Optional[Callable[[Costs], bool]] = None, learn: bool = True):

@@ -38,6 +38,9 @@ class Slot:
     target: bytes
     draft: Optional[tuple[tuple[int, ...], bytes]] = None
     prompt_row: Optional[tuple] = None
+    # the leading positions whose KV was computed in whole canonical pieces (slots.Sequences.piece):
+    # only those are restored for another prompt (a restored prefix is cut back to them)
+    canon: int = 0
     nbytes: int = field(init=False, default=0)
     path: Optional[Path] = field(default=None, compare=False)  # where a slot read from disk came from
 
@@ -208,7 +211,9 @@ class DiskCache:
         except (KeyError, TypeError, ValueError):
             self._refuse(path)
             return None
-        return Slot(tokens, bytearray(payload[:t_len]), draft, None)
+        canon = head.get("canon", 0)
+        canon = canon if isinstance(canon, int) and not isinstance(canon, bool) and canon >= 0 else 0
+        return Slot(tokens, bytearray(payload[:t_len]), draft, None, canon)
 
     def _refuse(self, path) -> None:
         logging.getLogger("edgespec").warning("prompt cache: %s is damaged or from another model or build; "
@@ -225,7 +230,7 @@ class DiskCache:
             return
         payload = bytes(slot.target) + (bytes(slot.draft[1]) if slot.draft else b"")
         head = {"magic": MAGIC, "identity": self.identity, "tokens": list(slot.tokens),
-                "target_bytes": len(slot.target), "size": len(payload),
+                "target_bytes": len(slot.target), "size": len(payload), "canon": int(slot.canon),
                 "sha256": hashlib.sha256(payload).hexdigest()}
         if slot.draft and self.draft_identity is not None:
             head.update(draft_tokens=list(slot.draft[0]), draft_bytes=len(slot.draft[1]),

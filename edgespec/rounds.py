@@ -65,20 +65,22 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
     return True
 
 
-def step(target, gens: list[Generation], width: int) -> None:
+def step(target, gens: list[Generation], width: int, exact: bool = False) -> None:
     """One round for every started, unfinished generation in `gens`; `width` is the row width
-    of the laws (the larger vocabulary of target and draft). A failure of one generation ends
+    of the laws (the larger vocabulary of target and draft); `exact`: every sequence's rows (and
+    its draft model's steps) in passes of their own, so that each computes as it would alone. A failure of one generation ends
     it alone (its stream raises it); a failed pass or draft ends every generation in it."""
     live = [g for g in gens if _goes_on(g, target)]
     if not live:
         return
     td = time.perf_counter()
     try:
-        plans = _drafts(target, live)
+        plans = _drafts(target, live, exact)
         tv = time.perf_counter()
         feeds = [_feed(g, target, draft.tokens, masks) for g, (draft, _, _, masks) in zip(live, plans)]
         parts = [part for part, _ in feeds if part is not None]
-        cut = _exact_cut(live, parts)
+        cut = sorted(([i] for i in range(len(parts))), key=lambda g: parts[g[0]][0]) \
+            if exact and len(parts) > 1 else _exact_cut(live, parts)
         got = iter(_verify(target, parts, cut))
     except Exception as exc:
         for g in live:
@@ -172,21 +174,22 @@ def finish(g: Generation, reason: Optional[str], force: bool = False) -> None:
             g.stats.costs = describe()
 
 
-def _drafts(target, live: list[Generation]):
+def _drafts(target, live: list[Generation], exact: bool = False):
     """Every generation's draft: (the whole draft, the drafter's part, how many tokens the
-    constraint forced, the masks), the draft model's steps batched across the generations."""
+    constraint forced, the masks), the draft model's steps batched across the generations (with
+    `exact`: each planned and drafted as if alone)."""
     mandatory = [len(g.tokens) - len(target.held(g.seq)) for g in live]  # tokens the pass feeds anyway
     drafted = [0] * len(live)  # the drafts each generation before this one added to the pass
     staged = []
     try:
         for i, g in enumerate(live):
-            others = tuple(Part(h.seq, m + d, d + (m > 0)) for j, (h, m, d) in enumerate(zip(live, mandatory, drafted))
-                           if j != i)
+            others = () if exact else tuple(Part(h.seq, m + d, d + (m > 0))
+                                            for j, (h, m, d) in enumerate(zip(live, mandatory, drafted)) if j != i)
             forced, inner = _plan(g, Share(g.seq, others, mandatory[i]))
             staged.append([g, forced, inner])
             drafted[i] = len(forced) + (inner.n if isinstance(inner, ModelWant) else len(inner.tokens))
         wants = [s for s in staged if isinstance(s[2], ModelWant)]
-        for s, d in zip(wants, draft_many([s[2] for s in wants]) if wants else []):
+        for s, d in zip(wants, draft_many([s[2] for s in wants], separate=exact) if wants else []):
             s[2] = d
     finally:
         for s in staged:  # the grammar back where the round found it

@@ -21,6 +21,8 @@ class FakeBackend:
         self.can_truncate = True
         self.n_seq = n_seq
         self.n_batch = n_batch
+        # slots.piece_of: the canonical piece of a prompt's computation (4: tiny prompts still reuse)
+        self.canonical_piece = 4
         self.caches: list[list[int]] = [[] for _ in range(n_seq)]  # what each sequence's KV cache holds
         self.evals = 0
         self.batches: list[list[tuple[int, int, int]]] = []  # per eval_batch: (seq, tokens, rows) of each part

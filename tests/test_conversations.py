@@ -11,9 +11,16 @@ import pytest
 
 from edgespec import ContextLengthError, Engine
 from edgespec.promptcache import MIN_TOKENS, PromptCache, Slot
+from edgespec.slots import PIECE
 
-SYSTEMS = ["You are a helpful assistant for a bakery. " * 12, "You are a terse travel agent who loves trains. " * 10,
-           "You are a chess coach who explains openings. " * 10]
+
+def _pieces(n: int) -> int:
+    return n - n % PIECE
+
+# long enough for a whole canonical piece (slots.PIECE): a later turn reuses the earlier prompt's
+# whole pieces, and computes the rest (its last piece, the answer, the new message) as alone
+SYSTEMS = ["You are a helpful assistant for a bakery. " * 30, "You are a terse travel agent who loves trains. " * 25,
+           "You are a chess coach who explains openings. " * 25]
 QUESTIONS = [["What bread is best?", "And for toast?"], ["Paris to Rome?", "How long?"],
              ["Best opening?", "Why?"]]
 ROUND_ROBIN = [(t, c) for t in range(2) for c in range(3)]
@@ -42,9 +49,9 @@ def test_restored_conversations_continue_as_if_they_never_left(smol, smol_draft,
         assert eng.cache is None
         want, _ = _talk(eng, straight)  # each conversation alone, straight through
     assert got == want  # token for token: a restore is byte-exact
-    for c in range(n):  # every later turn came back from the cache: only its new tokens evaluated
+    for c in range(n):  # every later turn came back from the cache: the first turn's whole pieces
         s = stats[(1, c)]
-        assert s.restored_prompt_tokens == s.reused_prompt_tokens > s.prompt_tokens - 30
+        assert s.restored_prompt_tokens == s.reused_prompt_tokens == _pieces(stats[(0, c)].prompt_tokens) >= PIECE
     assert cache["hits"] == n and cache["bytes"] <= 32 * 2**20
 
 
@@ -133,14 +140,16 @@ def _chat(srv, messages, max_tokens=8, **kw):
 def test_server_prints_the_cache_and_reports_cached_tokens(cached_server):
     assert "prompt cache 48 MiB" in cached_server.log.read_text()
     convs = [[{"role": "system", "content": s}, {"role": "user", "content": q[0]}] for s, q in zip(SYSTEMS, QUESTIONS)]
+    firsts = []
     for conv in convs:
         r = _chat(cached_server, conv)
         assert r.status_code == 200, r.text
+        firsts.append(r.json()["usage"]["prompt_tokens"])
         conv.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
         conv.append({"role": "user", "content": "Thanks. More?"})
-    for conv in convs:  # each comes back after the others
+    for conv, first in zip(convs, firsts):  # each comes back after the others: its first prompt's whole pieces
         r = _chat(cached_server, conv).json()
-        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > r["usage"]["prompt_tokens"] - 30
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == _pieces(first) >= PIECE
         assert r["edgespec"]["restored_prompt_tokens"] == r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
@@ -191,7 +200,7 @@ def test_a_restart_restores_from_disk_and_a_damaged_entry_is_refused(smol, tmp_p
     assert len(files) == 1 and not list(tmp_path.glob("*.part"))  # written whole, under its own name at once
     with Engine.load(str(smol), cache_dir=str(tmp_path), **kw) as eng:  # the app restarts
         again = eng.chat(conv, max_tokens=10)
-    assert again.tokens == want and again.stats.restored_prompt_tokens > again.stats.prompt_tokens - 30
+    assert again.tokens == want and again.stats.restored_prompt_tokens == _pieces(again.stats.prompt_tokens) >= PIECE
     data = bytearray(files[0].read_bytes())
     data[-100] ^= 0xFF  # one flipped bit in the KV state
     files[0].write_bytes(bytes(data))

@@ -311,7 +311,9 @@ def test_a_long_prompt_joining_a_running_answer_goes_in_by_pieces_between_its_ro
     one keeps getting tokens; both answers equal their answers alone."""
     monkeypatch.setattr(engine_mod, "PIECE", 8)
     p, q = _greedy_tables(12)
-    engine = Engine(FakeBackend(p, n_seq=2, n_batch=8), ModelDrafter(FakeBackend(q, n_seq=2), 8, 2))
+    target = FakeBackend(p, n_seq=2, n_batch=8)
+    target.canonical_piece = 8  # the canonical pieces are the pieces beside others here
+    engine = Engine(target, ModelDrafter(FakeBackend(q, n_seq=2), 8, 2))
     running = engine.stream([0, 1], max_tokens=40)
     next(running)
     long_prompt = [1, 2, 3, 4, 5, 6, 7] * 6  # 42 tokens: six pieces of 8
@@ -369,8 +371,8 @@ def test_a_new_generation_takes_a_sequence_that_keeps_the_running_ids_consecutiv
     assert _runs({0, 1, 3}) == 2 and _runs({0, 1, 2}) == 1 and _runs(set()) == 0
     p, _ = _greedy_tables(11)
     target = FakeBackend(p, n_seq=4)
-    target.eval_batch([(3, [1, 2, 3, 4, 5, 6, 7, 0] * 3, [0])])  # sequence 3 holds the prompt's head
     seqs = Sequences(target, None, n=4)
+    seqs.prefill(3, [1, 2, 3, 4, 5, 6, 7, 0] * 3 + [6])  # sequence 3 holds the prompt's head, in whole pieces
     prompt = [1, 2, 3, 4, 5, 6, 7, 0] * 3 + [5]
     seq, _ = seqs.claim(prompt, busy={0, 2})
     assert seq == 1 and target.held(1) == prompt[:24]

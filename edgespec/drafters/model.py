@@ -39,8 +39,13 @@ class ModelDrafter:
     def begin(self, tokens: list[int]) -> None:
         """Keep the cached prefix shared with the prompt; the rest is evaluated at the first
         draft, in one batch (`draft` feeds whatever the model has not seen). Under `auto` the
-        first draft may never come: the prompt is then not evaluated twice."""
-        self.backend.keep_prefix(tokens)
+        first draft may never come: the prompt is then not evaluated twice. What is kept is cut
+        to the canonical pieces (slots.PIECE), as the target's prefix is."""
+        from ..slots import piece_of
+        be = self.backend
+        kept = be.keep_prefix(tokens)
+        if kept % piece_of(be):
+            be.truncate(kept - kept % piece_of(be))
 
     def fork(self, seq: int) -> "ModelDrafter":
         """A lane of the same draft model for sequence `seq`."""
@@ -83,7 +88,13 @@ class _Lane:
         held = be.tokens
         if be.n_past >= len(tokens) or (held and held[-1] != tokens[len(held) - 1]):
             be.keep_prefix(tokens)
-        # the committed tokens the draft has not seen yet (the last one or two after a round)
+        # the committed tokens the draft has not seen yet (the last one or two after a round); a
+        # catch-up is computed in the canonical pieces first (slots.PIECE: the same KV whatever
+        # the draft model held before), the rest fed with the first draft step
+        from ..slots import piece_of
+        p = piece_of(be)
+        while len(tokens) - 1 - (be.n_past - be.n_past % p + p) >= 0:
+            be.eval(tokens[be.n_past:be.n_past - be.n_past % p + p], [])
         self.pending = tokens[be.n_past:]
         self.drafts: list[int] = []
         # at T = 0 the verifier compares argmaxes and needs no q rows
@@ -124,15 +135,17 @@ class _Lane:
         return Draft(self.drafts, q, ModelDrafter.name)
 
 
-def draft_many(wants: list[ModelWant]) -> list[Draft]:
-    """The drafts `wants` ask for: a ModelDrafter's lanes in lockstep, any other model drafter
-    (a stand-in of the tests, a benchmark's) by its own `draft`."""
+def draft_many(wants: list[ModelWant], separate: bool = False) -> list[Draft]:
+    """The drafts `wants` ask for: a ModelDrafter's lanes in lockstep (`separate`: each lane's
+    steps in passes of its own), any other model drafter (a stand-in of the tests, a benchmark's)
+    by its own `draft`."""
     out: list = [None] * len(wants)
     mine = [i for i, w in enumerate(wants) if isinstance(w.drafter, ModelDrafter)]
     for i, w in enumerate(wants):
         if i not in mine:
             out[i] = w.drafter.draft(w.tokens, w.n, w.params, w.rng, w.guide)
-    for i, d in zip(mine, _lockstep([wants[i] for i in mine]) if mine else []):
+    groups = [[wants[i]] for i in mine] if separate else ([[wants[i] for i in mine]] if mine else [])
+    for i, d in zip(mine, [d for group in groups for d in _lockstep(group)]):
         out[i] = d
     return out
 

@@ -68,8 +68,9 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
 def step(target, gens: list[Generation], width: int, exact: bool = False) -> None:
     """One round for every started, unfinished generation in `gens`; `width` is the row width
     of the laws (the larger vocabulary of target and draft); `exact`: every sequence's rows (and
-    its draft model's steps) in passes of their own, so that each computes as it would alone. A failure of one generation ends
-    it alone (its stream raises it); a failed pass or draft ends every generation in it."""
+    its draft model's steps) in passes of their own, so that each computes as it would alone. A
+    failure of one generation ends it alone (its stream raises it); a failed pass or draft ends
+    every generation in it."""
     live = [g for g in gens if _goes_on(g, target)]
     if not live:
         return

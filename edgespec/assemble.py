@@ -355,11 +355,28 @@ def _smaller_parallel(settings: Settings, t_info, d_info, result: dict, drafter:
 
 def fit_budget(settings: Settings, t_info, d_info) -> tuple:
     """(drafter mode, keep the draft model?, sequences, memory mode) that fit the budget at the
-    wanted context size, trying memory.plan's order: the draft model in the asked memory mode,
+    wanted context size (`decide`); a UsageError where nothing does, its notes logged."""
+    d = decide(settings, t_info, d_info)
+    if not d["ok"]:
+        raise UsageError(d["error"])
+    for note in d["notes"]:
+        log.warning("%s", note)
+    return d["drafter"], d["keep_draft"], d["parallel"], d["memory_mode"]
+
+
+def decide(settings: Settings, t_info, d_info) -> dict:
+    """What `run`, `serve`, the benchmarks and `Engine.load` do with these settings, and what
+    `plan` says they will do: {ok, drafter, keep_draft, parallel, memory_mode, n_ctx, notes} or
+    {ok: False, error}. With a memory budget, memory.plan's order at the wanted context (never
+    lower: a smaller context is a hint in the error): the draft model in the asked memory mode,
     then in the cheaper ones (q8_0 KV, no repacked weights, both), then n-gram drafting, then
-    plain decoding. Sequences: as given, or the most at which the wanted drafter fits (up to 4),
-    else 1 with the fallbacks above. The memory mode is a memory.MemoryMode."""
+    plain decoding; sequences as given, or the most at which the wanted drafter fits (up to 4).
+    Without one: the drafter asked, and as many sequences as asked or as fit the RAM now."""
     from .memory import mode_of, speed_words, wanted_drafters
+    if settings.memory_budget is None:
+        return {"ok": True, "drafter": settings.drafter, "keep_draft": d_info is not None,
+                "parallel": parallel_for(settings, t_info, d_info), "memory_mode": settings.memory_mode(),
+                "n_ctx": settings.n_ctx, "notes": []}
     kind = REGISTRY[settings.drafter]
     mode = plan_mode(settings)
     result = plan_for(settings, t_info, d_info)  # the prompt cache lives in the same RAM
@@ -374,29 +391,32 @@ def fit_budget(settings: Settings, t_info, d_info) -> tuple:
             "raise --memory-budget or lower --cache-ram (see `edgespec plan`)"
         modes = settings.memory_modes()
         cheapest = f" in memory mode {modes[-1].name}" if len(modes) > 1 else ""
-        raise UsageError(f"{t_info.path.name}{seqs} does not fit in {budget_words(result)} even without a drafter "
-                         f"at n_ctx {settings.n_ctx}{cheapest}: {hint}")
+        return {"ok": False, "error": f"{t_info.path.name}{seqs} does not fit in {budget_words(result)} even without "
+                                      f"a drafter at n_ctx {settings.n_ctx}{cheapest}: {hint}"}
     got = choice["drafter"]
     memory_mode = mode_of(choice)
     wanted = "model" if d_info is not None else ("ngram" if mode in ("auto", "ngram") else "none")
     in_mode = (f", in memory mode {memory_mode.name} ({speed_words(memory_mode)})"
                if memory_mode != asked else "")
+    notes = []
     if got != wanted:
         fewer = _smaller_parallel(settings, t_info, d_info, result, wanted) if n > 1 else 0
         modes = settings.memory_modes()
         anyway = " in any memory mode" if len(modes) > 1 else ""
-        log.warning("the %s drafter does not fit in %s at n_ctx %d%s%s: using %s drafting instead%s%s",
-                    wanted, budget_words(result), settings.n_ctx, seqs, anyway, got,
-                    f" (--parallel {fewer} keeps it)" if fewer else "", in_mode)
+        notes.append(f"the {wanted} drafter does not fit in {budget_words(result)} at n_ctx {settings.n_ctx}{seqs}"
+                     f"{anyway}: using {got} drafting instead"
+                     f"{f' (--parallel {fewer} keeps it)' if fewer else ''}{in_mode}")
     elif memory_mode != asked:
-        log.warning("the %s drafter does not fit in %s at n_ctx %d%s in memory mode %s: using memory mode %s (%s)",
-                    wanted, budget_words(result), settings.n_ctx, seqs, asked.name, memory_mode.name,
-                    speed_words(memory_mode))
+        notes.append(f"the {wanted} drafter does not fit in {budget_words(result)} at n_ctx {settings.n_ctx}{seqs} "
+                     f"in memory mode {asked.name}: using memory mode {memory_mode.name} ({speed_words(memory_mode)})")
     if settings.drafter == "auto" and got != "none":
-        return "auto", got == "model", n, memory_mode
-    if got == kind.plans_as:  # it fits as asked (copy plans as an n-gram index)
-        return settings.drafter, got == "model", n, memory_mode
-    return got, got == "model", n, memory_mode
+        drafter = "auto"
+    elif got == kind.plans_as:  # it fits as asked (copy plans as an n-gram index)
+        drafter = settings.drafter
+    else:
+        drafter = got
+    return {"ok": True, "drafter": drafter, "keep_draft": got == "model", "parallel": n, "memory_mode": memory_mode,
+            "n_ctx": settings.n_ctx, "notes": notes}
 
 
 def check_context(settings: Settings, t_info, d_info=None) -> None:
@@ -470,7 +490,8 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
         from .promptcache import DiskCache, PromptCache
         cache_bytes = settings.cache_bytes()
         disk = (DiskCache(settings.cache_dir, DiskCache.identity_of(tb),
-                          draft_identity=DiskCache.identity_of(db) if db is not None else None)
+                          draft_identity=DiskCache.identity_of(db) if db is not None else None,
+                          facts=DiskCache.facts_of(tb))
                 if settings.cache_dir else None)
         cache = PromptCache(cache_bytes, disk) if cache_bytes or disk is not None else None
         made = make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate, progress=progress)

@@ -163,6 +163,7 @@ class LlamaBackend:
         cparams.n_ctx = n_ctx * n_seq
         cparams.n_batch = cparams.n_ubatch = min(n_batch, n_ctx)
         cparams.n_seq_max = n_seq
+        self._n_stream = n_seq if hasattr(cparams, "kv_unified") else 1  # KV streams (restream)
         if hasattr(cparams, "kv_unified"):
             # a stream of cells per sequence, in position order as when it runs alone: a
             # sequence's logits are then bit for bit its logits alone (in one pool, its cells
@@ -470,6 +471,7 @@ class LlamaBackend:
         self._drop_stray()
         L.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._held[seq].clear()
+        data = restream(data, self._n_stream)
         buf = (ctypes.c_uint8 * len(data)).from_buffer(data) if isinstance(data, bytearray) else \
             (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if int(L.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) != len(data):
@@ -556,3 +558,38 @@ class SequenceView:
 
     def close(self) -> None:
         """The backend belongs to whoever made it: a view closes nothing."""
+
+
+def restream(data, n_stream: int):
+    """A sequence's saved state laid out for a context of `n_stream` KV streams. llama.cpp writes a
+    sequence's state as a short header, the count of the context's streams, then one section per
+    stream (a cell count, and the cells where it is not 0), and refuses a state of another count
+    ("n_stream mismatch"): a state saved under --parallel 2 would never be restored under
+    --parallel 1. Only the sequence's own stream holds cells, and it is read into the sequence's
+    stream wherever its section stands, so the sections are rewritten: the one that holds cells,
+    then empty ones. A state of another form is returned as it is (llama.cpp says if it takes it)."""
+    for at in (8, 0, 4, 12):  # where the stream count stands (8 in llama.cpp 0.3.36's states)
+        if len(data) >= at + 8:
+            out = _restream_at(data, n_stream, at)
+            if out is not None:
+                return out
+    return data
+
+
+def _restream_at(data, n_stream: int, at: int):
+    saved = int.from_bytes(data[at:at + 4], "little")
+    if not 1 <= saved <= 256:
+        return None
+    if saved == n_stream:
+        return data
+    empty = bytes(4)
+    pos, before = at + 4, 0
+    while before < saved and data[pos:pos + 4] == empty:
+        pos, before = pos + 4, before + 1
+    if before == saved:  # no cells at all
+        return bytearray(bytes(data[:at]) + n_stream.to_bytes(4, "little") + empty * n_stream)
+    after = 4 * (saved - 1 - before)
+    if pos + 4 > len(data) - after or (after and bytes(data[len(data) - after:]) != bytes(after)):
+        return None
+    section = bytes(data[pos:len(data) - after])
+    return bytearray(bytes(data[:at]) + n_stream.to_bytes(4, "little") + section + empty * (n_stream - 1))

@@ -507,7 +507,8 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
     if "drafter" in ch:
         spare = budget - ch["estimated_bytes"]
         in_mode = f" in memory mode {chosen.name}" if chosen != asked else ""
-        lines.append(f"Fits: {CONFIG_WORDS[ch['drafter']]} at n_ctx {ch['n_ctx']}{in_mode}, a peak of about "
+        fits = "Fits" if ch["n_ctx"] == n_ctx else f"Would fit with --ctx {ch['n_ctx']}"
+        lines.append(f"{fits}: {CONFIG_WORDS[ch['drafter']]} at n_ctx {ch['n_ctx']}{in_mode}, a peak of about "
                      f"{_gib(ch['estimated_bytes'])} ({_gib(spare)} to spare).")
         if ch.get("flash_attn", flash_attn) != flash_attn:
             lines.append(f"Flash attention: {ch['flash_attn']}, not {flash_attn}: a quantized V cache needs it.")
@@ -538,7 +539,8 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
             lines.append(f"Dropped: {CONFIG_WORDS[d]} at n_ctx {n_ctx} needs about {_gib(c['estimated_bytes'])}{also}, "
                          f"{_gib(cheapest['estimated_bytes'] - budget)} over the budget.")
     if "drafter" in ch and ch["n_ctx"] != n_ctx:
-        lines.append(f"Dropped: n_ctx {n_ctx}; the context was lowered to {ch['n_ctx']} to fit.")
+        lines.append(f"Dropped: n_ctx {n_ctx}: nothing fits at it; --ctx {ch['n_ctx']} would (run and serve never "
+                     "lower a context themselves: they refuse, and say so).")
     lines.append(_parallel_words(result, every, target_info, draft_info, wanted=wanted, n_ctx=n_ctx,
                                  budget=budget, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers,
                                  flash_attn=flash_attn))

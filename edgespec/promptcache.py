@@ -137,14 +137,19 @@ class DiskCache:
     this model file, llama.cpp build and context settings and its payload hashes right; anything
     else is refused (and removed), never loaded. At most `capacity` bytes, oldest out."""
 
-    def __init__(self, directory, identity: str, capacity: int = 4 * 2**30, draft_identity: Optional[str] = None):
+    def __init__(self, directory, identity: str, capacity: int = 4 * 2**30, draft_identity: Optional[str] = None,
+                 facts: Optional[dict] = None):
+        """`facts`: what `identity` hashes (`facts_of`), kept in each header so that an entry of
+        another setup is named by what differs (it is kept for that setup, never removed)."""
         self.dir = Path(directory)
         self.identity = identity
+        self.facts = facts or {}
         self.draft_identity = draft_identity  # a saved draft state is used only with the same draft model
         self.capacity = capacity
         self.dir.mkdir(parents=True, exist_ok=True)
         self.refused = 0
         self._index: dict[tuple[int, ...], Path] = {}
+        foreign: dict[str, int] = {}
         for f in sorted(self.dir.glob("*.slot"), key=_mtime):
             head = self._header(f)
             if head is not None and head.get("identity") == identity:
@@ -152,17 +157,31 @@ class DiskCache:
                     self._index[tuple(int(t) for t in head["tokens"])] = f
                 except (TypeError, ValueError):
                     continue
+            elif head is not None:  # another model, build or setting: kept for it, not used here
+                theirs = head.get("facts") if isinstance(head.get("facts"), dict) else {}
+                why = ", ".join(sorted(k for k in set(theirs) | set(self.facts) if theirs.get(k) != self.facts.get(k)))
+                foreign[why or "written before entries named their setup"] = foreign.get(why, 0) + 1
+        for why, n in foreign.items():
+            logging.getLogger("edgespec").info("prompt cache: %d entr%s in %s %s for another setup (%s): kept, "
+                                               "not used", n, "y" if n == 1 else "ies", self.dir,
+                                               "was written" if n == 1 else "were written", why)
 
     @staticmethod
-    def identity_of(backend) -> str:
-        """What a saved state depends on: the model file, the llama.cpp build, the context."""
+    def facts_of(backend) -> dict:
+        """What a saved state depends on: the model file, the llama.cpp build and the settings of
+        the context that change a token's KV (not how many sequences it holds: a sequence's state
+        is its own stream, restored into any sequence of any context of the same setup)."""
         import llama_cpp
         st = backend.path.stat()
         facts = {"file": str(backend.path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
                  "llama_cpp": getattr(llama_cpp, "__version__", "?"),
-                 "system": llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
-                 "settings": backend.settings}
-        return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+                 "system": llama_cpp.llama_print_system_info().decode("utf-8", "replace")}
+        facts.update({k: v for k, v in backend.settings.items()})
+        return json.loads(json.dumps(facts, sort_keys=True, default=str))
+
+    @staticmethod
+    def identity_of(backend) -> str:
+        return hashlib.sha256(json.dumps(DiskCache.facts_of(backend), sort_keys=True).encode()).hexdigest()
 
     def _header(self, path) -> Optional[dict]:
         fh = open_regular(path)  # a FIFO or a device named *.slot must not hang the start
@@ -216,7 +235,7 @@ class DiskCache:
         return Slot(tokens, bytearray(payload[:t_len]), draft, None, canon)
 
     def _refuse(self, path) -> None:
-        logging.getLogger("edgespec").warning("prompt cache: %s is damaged or from another model or build; "
+        logging.getLogger("edgespec").warning("prompt cache: %s is damaged (or llama.cpp would not take it); "
                                               "not used (removed)", path.name)
         self.refused += 1
         self._index = {k: v for k, v in self._index.items() if v != path}
@@ -229,7 +248,7 @@ class DiskCache:
         if len(slot.tokens) < MIN_TOKENS:
             return
         payload = bytes(slot.target) + (bytes(slot.draft[1]) if slot.draft else b"")
-        head = {"magic": MAGIC, "identity": self.identity, "tokens": list(slot.tokens),
+        head = {"magic": MAGIC, "identity": self.identity, "facts": self.facts, "tokens": list(slot.tokens),
                 "target_bytes": len(slot.target), "size": len(payload), "canon": int(slot.canon),
                 "sha256": hashlib.sha256(payload).hexdigest()}
         if slot.draft and self.draft_identity is not None:

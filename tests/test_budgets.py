@@ -308,3 +308,41 @@ def test_a_sweep_goes_on_when_one_budgets_run_fails(fake_sizes, smol, smol_draft
     assert "out of memory" in failed["error"] and "peak_rss_bytes" not in failed
     assert ok["peak_rss_bytes"] == 1
     assert "run failed" in budgets.format_table(report) and "run failed" in budgets.describe(failed)
+
+
+@pytest.mark.parametrize("budget", ["300MB", "400MB", "600MB", "1GB"])
+def test_plan_says_what_run_and_the_library_do_over_a_grid(smol, budget, monkeypatch, capsys):
+    """Issue 35: `plan` and `run` (and Engine.load, and serve, which load through the same
+    assemble.decide) make the same decision for the same flags: refused with the same one line,
+    or the same drafter, sequences and KV types at the context asked (never a lowered one)."""
+    loads = []
+
+    def record(path, **kw):
+        loads.append(kw)
+        raise Loaded(str(path))
+    monkeypatch.setattr("edgespec.backend.LlamaBackend", record)
+    for ctx in (1024, 4096):
+        for np_ in (1, 2, 8):
+            flags = ["--target", str(smol), "--ctx", str(ctx), "-np", str(np_), "--memory-budget", budget]
+            assert main(["plan", *flags, "--json"]) == 0
+            said = json.loads(capsys.readouterr().out)["decision"]
+            loads.clear()
+            run = flags[:4] + flags[6:]  # run answers one prompt: one sequence, no -np
+            if not said["ok"]:
+                if np_ == 1:
+                    assert main(["run", *run, "--prompt", "hi"]) == 2
+                    err = capsys.readouterr().err.strip()
+                    assert len(err.splitlines()) == 1 and said["error"] in err, (ctx, np_, err)
+                with pytest.raises(UsageError) as refused:
+                    Engine.load(str(smol), n_ctx=ctx, parallel=np_, memory_budget=budget)
+                assert str(refused.value) == said["error"]
+                continue
+            if np_ == 1:
+                with pytest.raises(Loaded):
+                    main(["run", *run, "--prompt", "hi"])
+                capsys.readouterr()
+            with pytest.raises(Loaded):
+                Engine.load(str(smol), n_ctx=ctx, parallel=np_, memory_budget=budget)
+            for kw in loads:  # the run's load, then the library's: both as plan said
+                assert kw["n_ctx"] == said["n_ctx"] == ctx and kw["n_seq"] == said["parallel"] == np_
+                assert f"{kw['type_k']}" in said["memory_mode"] or (kw["type_k"] == "f16" and "q8_0" not in said["memory_mode"])

@@ -209,10 +209,15 @@ def test_a_restart_restores_from_disk_and_a_damaged_entry_is_refused(smol, tmp_p
             damaged = eng.chat(conv, max_tokens=10)
             refused = eng.cache.describe()["disk"]["refused"]
     assert damaged.stats.restored_prompt_tokens == 0 and damaged.tokens == want and refused == 1
-    assert "damaged or from another model or build" in caplog.text
-    with Engine.load(str(smol), cache_dir=str(tmp_path), **dict(kw, n_ctx=512)) as eng:  # another context
-        other = eng.chat(conv, max_tokens=10)
-    assert other.stats.restored_prompt_tokens == 0  # an entry of other settings is never used
+    assert "is damaged" in caplog.text
+    mine = set(tmp_path.glob("*.slot"))  # the conversation, saved again at close
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="edgespec"):
+        with Engine.load(str(smol), cache_dir=str(tmp_path), **dict(kw, n_ctx=512)) as eng:  # another context
+            other = eng.chat(conv, max_tokens=10)
+    assert other.stats.restored_prompt_tokens == 0  # an entry of other settings is never used,
+    assert "for another setup (n_ctx): kept, not used" in caplog.text  # named by what differs,
+    assert mine and mine <= set(tmp_path.glob("*.slot"))  # and kept for that setup
 
 
 def test_a_fifo_or_a_device_named_like_a_slot_does_not_hang_the_disk_cache(tmp_path):

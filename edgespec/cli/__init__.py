@@ -228,13 +228,14 @@ def _setup_plan(sub) -> None:
 
 
 def cmd_plan(args) -> int:
-    from ..assemble import plan_for, resolve_files
+    from ..assemble import decide, plan_for, resolve_files
     from ..ggufinfo import read_info
     settings = settings_from_args(args, parallel=args.parallel)
     target, d_path = resolve_files(settings, download=False)
     t = read_info(target)
     d = read_info(d_path) if d_path else None
     result = plan_for(settings, t, d)  # the rule `run`, `serve`, bench and Engine.load follow
+    decision = decide(settings, t, d)  # what they do with these flags, said as they would say it
     # a quantized V cache turned flash attention auto into on (Settings.validate)
     forced = args.flash_attn == "auto" and settings.flash_attn == "on"
     if args.json:
@@ -242,6 +243,7 @@ def cmd_plan(args) -> int:
             c.pop("parts")
         if forced:
             result["flash_attn_note"] = "on, not auto: a quantized V cache needs flash attention"
+        result["decision"] = _decision_json(decision)
         print(json.dumps(result, indent=1))
         return 0
     from ..assemble import offloaded_layers, plan_mode
@@ -252,6 +254,7 @@ def cmd_plan(args) -> int:
                     draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn)
     if forced:
         lines.insert(2, "Flash attention: on, not auto: a quantized V cache (--cache-type-v) needs it.")
+    lines.append(_decision_words(decision))
     print("\n".join(lines))
     n = result["parallel"]
     seqs = f" for {n} sequences" if n > 1 else ""
@@ -265,6 +268,23 @@ def cmd_plan(args) -> int:
         line = f"{c['drafter']:<8} {c['n_ctx']:>6} {c['estimated_bytes'] / 2**30:>8.2f} GiB  {fits:<4}"
         print((line + (f"  {c['mode']}" if multi else "")).rstrip())
     return 0
+
+
+def _decision_json(d: dict) -> dict:
+    if not d["ok"]:
+        return {"ok": False, "error": d["error"]}
+    return {"ok": True, "drafter": d["drafter"], "keep_draft": d["keep_draft"], "parallel": d["parallel"],
+            "n_ctx": d["n_ctx"], "memory_mode": d["memory_mode"].name, "notes": d["notes"]}
+
+
+def _decision_words(d: dict) -> str:
+    """What `run` and `serve` do with the same flags (assemble.decide), in their words."""
+    if not d["ok"]:
+        return f"run and serve with these flags: refused (exit 2): {d['error']}"
+    seqs = f", {d['parallel']} sequences" if d["parallel"] > 1 else ""
+    notes = "".join(f"; {n}" for n in d["notes"])
+    return (f"run and serve with these flags: drafter {d['drafter']} at n_ctx {d['n_ctx']}{seqs}, memory mode "
+            f"{d['memory_mode'].name}{notes}.")
 
 
 def _setup_doctor(sub) -> None:

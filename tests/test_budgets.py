@@ -345,4 +345,6 @@ def test_plan_says_what_run_and_the_library_do_over_a_grid(smol, budget, monkeyp
                 Engine.load(str(smol), n_ctx=ctx, parallel=np_, memory_budget=budget)
             for kw in loads:  # the run's load, then the library's: both as plan said
                 assert kw["n_ctx"] == said["n_ctx"] == ctx and kw["n_seq"] == said["parallel"] == np_
-                assert f"{kw['type_k']}" in said["memory_mode"] or (kw["type_k"] == "f16" and "q8_0" not in said["memory_mode"])
+                quantized = "q8_0" in said["memory_mode"]
+                assert kw["type_k"] == ("q8_0" if quantized else "f16")
+                assert kw.get("repack", True) == ("no repack" not in said["memory_mode"])

@@ -99,11 +99,10 @@ PARALLEL_FLAGS = {
         "wanted drafter and context, at most 4 (1 when not even one fits)"),
     ("--parallel-exact",): dict(
         action=argparse.BooleanOptionalAction, default=None,
-        help="with --drafter auto (the default): cut the passes several requests share into passes llama.cpp "
-        "computes as it computes one request alone, so that a greedy answer given beside others equals its "
-        "answer alone (repacked Q4_K weights on x86 round a row of a 4-row pass otherwise: a near-tie can "
-        "flip). On by default; --no-parallel-exact trades that for 10-20%% more throughput at once on a "
-        "2-core CPU (docs/exactness.md)"),
+        help="each request's rows (and draft steps) in passes of their own, planned as if alone, so that a "
+        "greedy answer given beside others equals its answer alone (llama.cpp computes a row beside another "
+        "request's rows otherwise: a near-tie can flip). On by default; --no-parallel-exact shares the passes "
+        "for more throughput at once (docs/exactness.md)"),
 }
 
 
@@ -157,7 +156,7 @@ class Settings:
     verbose: bool = False              # llama.cpp's own logs
     flash_attn: str = "auto"           # llama.cpp's flash attention: "on", "off" or "auto" (docs/memory.md)
     parallel: Optional[int] = None     # sequences generating at once, n_ctx each (None: as many as fit, up to 4)
-    parallel_exact: bool = True        # auto's shared passes cut into exact ones (policy.exact_shared)
+    parallel_exact: bool = True        # each sequence's rows in passes of their own (Engine.exact_shared)
     bit_exact: bool = False            # auto's passes kept within the exact rows (policy.bit_exact)
     # the memory modes (docs/memory.md#memory-modes), llama-server's names: repacked weight copies,
     # the KV caches' element types (the draft's None: the target's)

@@ -12,7 +12,8 @@ The parts, as llama.cpp allocates them on a CPU:
   sequences the context serves at once (one unified cache of n_ctx x n_seq cells);
 - activations: llama.cpp reserves a compute buffer for the worst case (all logits of a
   512-token micro-batch), but edgespec asks for logits on a few rows only, so what becomes
-  resident is the activations of a prompt micro-batch: n_ubatch x (2.5 n_ff + 4.7 n_embd) f32;
+  resident is the activations of a prompt micro-batch: n_ubatch x (2.5 n_ff + 4.7 n_embd) f32,
+  where a prompt goes in by pieces of slots.PIECE (128) rows on a CPU;
 - vocabulary tables: llama.cpp's (token strings, lookup maps, BPE ranks) and edgespec's own
   token list (GGUFInfo.tokens);
 - the runtime: a fresh interpreter with numpy, llama-cpp-python and edgespec imported, plus
@@ -250,7 +251,11 @@ def estimate_model(info, n_ctx: int, *, n_ubatch: int = N_UBATCH, gpu_layers: in
     # (one row of a layer's K holds kv_heads x k_len elements per cell, as llama.cpp allocates it)
     kv = cells * sum(kv_row_bytes(h * k_len, type_k) + kv_row_bytes(h * v_len, type_v) for h in heads_kv[:n_cpu])
     n_ff = max(_per_layer(_arch(info, "feed_forward_length"), n_layer, 4 * n_embd)) or 4 * n_embd
-    ub = min(n_ubatch, n_ctx)  # the backend's micro-batch: at most one sequence's context
+    # the backend's micro-batch: at most one sequence's context, and a prompt goes in by canonical
+    # pieces (slots.PIECE) on a CPU: the most rows a pass computes in host RAM (on a GPU the pieces
+    # are the batch, their activations in its memory)
+    from .slots import PIECE
+    ub = min(n_ubatch, n_ctx, PIECE)
     activations = int(ub * 4 * (ACTIVATION_FF * n_ff + ACTIVATION_EMBD * n_embd))
     # the worst case of any prompt that fits: its last full micro-batch against the whole context
     # (a short prompt touches neither this nor the activations; see docs/memory.md)

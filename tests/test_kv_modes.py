@@ -46,7 +46,7 @@ def test_a_quantized_v_without_flash_attention_is_refused(smol):
 
 
 def test_a_slot_saved_from_one_kv_type_is_never_restored_into_another(smol, tmp_path):
-    conv = [{"role": "system", "content": "You answer in one line. " * 12}, STORY[0]]
+    conv = [{"role": "system", "content": "You answer in one line. " * 40}, STORY[0]]  # a whole canonical piece
 
     def engine(tk, tv):
         target = _backend(smol, True, tk, tv)

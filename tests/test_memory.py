@@ -145,8 +145,8 @@ def test_engine_drops_the_draft_model_when_it_does_not_fit(smol, smol_draft, cap
     t, d = read_info(smol), read_info(smol_draft)
     budget = estimate_process(t, d, n_ctx=1024, drafter="ngram")["total"] + 2**20
     with caplog.at_level(logging.WARNING, logger="edgespec"):
-        with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024,
-                         memory_budget=budget) as eng:
+        with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024, cache_ram=0,
+                         memory_budget=budget) as eng:  # all of the budget for the models
             assert eng.mode == "ngram"  # the draft model was not loaded: n-gram drafting instead
     said = [r for r in caplog.records if r.name == "edgespec" and "does not fit" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING

@@ -262,7 +262,7 @@ def measure(spec, plain, items: list[dict], opts: ParallelOptions, progress=None
     ps = modes["none"]["serial"]["tps"]
     return {"target": str(spec.target.path), "draft": _draft_path(spec), "threads": spec.target.threads,
             "parallel": spec.parallel, "requests": len(items), "max_tokens": opts.max_tokens,
-            "parallel_exact": bool(getattr(getattr(spec.drafter, "policy", None), "exact_shared", False)),
+            "parallel_exact": bool(spec.exact_shared),
             "long_tokens": opts.long_tokens, "short_tokens": opts.short_tokens, "temperature": 0.0,
             "modes": modes,
             "auto_concurrent_over_plain_serial": modes["auto"]["concurrent"]["tps"] / ps if ps > 0 else None,
@@ -284,7 +284,7 @@ def _draft_path(spec) -> Optional[str]:
 
 def format_report(r: dict) -> str:
     lines = [f"{r['requests']} requests on one engine with parallel={r['parallel']}"
-             f"{' (auto: --parallel-exact)' if r.get('parallel_exact') else ''}, {r['max_tokens']} tokens "
+             f"{' (--parallel-exact)' if r.get('parallel_exact') else ''}, {r['max_tokens']} tokens "
              f"each, T=0, {r['threads']} threads; tok/s = all tokens / wall time",
              f"{'drafter':<8} {'serial':>6} {'wall':>7} {'tok/s':>6}  {'at once':>7} {'wall':>7} {'tok/s':>6}  "
              f"{'ratio':>6}  same answers"]
@@ -337,6 +337,7 @@ def main(settings, opts, progress=None) -> int:
             raise UsageError(f"the engine holds {spec.parallel} sequences, not {po.requests}: "
                              "give it more memory or fewer --parallel-requests")
         plain = Engine(spec.target, None, parallel=po.requests)  # the same loaded target
+        plain.exact_shared = spec.exact_shared  # --parallel-exact for both
         before = _loadavg()
         result = measure(spec, plain, items, po, progress)
         result["loadavg_before"], result["loadavg_after"] = before, _loadavg()  # a busy machine shows here

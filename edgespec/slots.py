@@ -24,8 +24,6 @@ log = logging.getLogger("edgespec")
 # llama.cpp copies the whole stream of cells (Qwen 1.5B at 4096 tokens: 112 MiB, tens of ms),
 # about what a prefill of a dozen tokens costs on a CPU.
 MIN_COPY = 16
-# llama.cpp's repacked CPU kernels take a batch's rows four at a time (the rest one by one)
-ROW_GROUP = 4
 # The canonical shape of a prompt's computation: pieces of PIECE tokens at absolute positions
 # (0..127, 128..255, ...; the last piece what is left), each a pass of its own. A token's KV depends,
 # in its last bits, on the batch it was computed in (how many rows, how the threads split them), so a

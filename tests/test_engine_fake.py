@@ -150,7 +150,7 @@ def test_reused_prompt_tokens_counts_the_prefix_really_kept():
     eng = engine()
     assert eng.generate("0 1 2 3", max_tokens=3).stats.reused_prompt_tokens == 0
     assert eng.generate("0 1 2 5", max_tokens=3).stats.reused_prompt_tokens == 4   # BOS 0 1 2
-    # BOS only in common: cut back to a multiple of slots.ROW_GROUP (4), as a fresh prefill groups rows
+    # BOS only in common: cut back to the canonical pieces (the fake's: 4), as a fresh prefill computes them
     assert eng.generate("4 4", max_tokens=3).stats.reused_prompt_tokens == 0
     assert eng.generate("4 4", max_tokens=3).stats.reused_prompt_tokens == 3        # an exact repeat
 

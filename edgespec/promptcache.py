@@ -160,7 +160,8 @@ class DiskCache:
             elif head is not None:  # another model, build or setting: kept for it, not used here
                 theirs = head.get("facts") if isinstance(head.get("facts"), dict) else {}
                 why = ", ".join(sorted(k for k in set(theirs) | set(self.facts) if theirs.get(k) != self.facts.get(k)))
-                foreign[why or "written before entries named their setup"] = foreign.get(why, 0) + 1
+                key = why or "written before entries named their setup"
+                foreign[key] = foreign.get(key, 0) + 1
         for why, n in foreign.items():
             logging.getLogger("edgespec").info("prompt cache: %d entr%s in %s %s for another setup (%s): kept, "
                                                "not used", n, "y" if n == 1 else "ies", self.dir,
@@ -257,7 +258,8 @@ class DiskCache:
         else:
             payload = bytes(slot.target)
             head.update(size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
-        name = hashlib.sha256(json.dumps(head["tokens"]).encode()).hexdigest()[:32] + ".slot"
+        # named by the setup too: another setup's entry of the same conversation is kept for it
+        name = hashlib.sha256(json.dumps([self.identity, head["tokens"]]).encode()).hexdigest()[:32] + ".slot"
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".part")
         try:
             with os.fdopen(fd, "wb") as fh:

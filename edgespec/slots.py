@@ -53,6 +53,8 @@ class Sequences:
         """How much of an `n`-token prefix held by sequence `source` (default `seq`) may be reused:
         what it computed in whole canonical pieces, cut to a multiple of the piece."""
         src = seq if source is None else source
+        if not getattr(self.target, "can_truncate", True):  # a recurrent model: its state is not cut back
+            return min(n, len(self.target.held(src)))
         n = min(n, self.canon.get(src, 0), len(self.target.held(src)))
         return n - n % self.piece
 
@@ -109,7 +111,9 @@ class Sequences:
         if restore:
             cache.take(slot)  # before saving the live slot could evict it
         n_past = len(target.held(seq))
-        if self.caching and (n_past - live >= MIN_TOKENS or ((restore or donor is not None) and n_past >= MIN_TOKENS)):
+        # saved only where it holds more whole pieces than are kept (the rest could not be reused)
+        worth = self.canonical(seq, n_past)
+        if self.caching and (worth - live >= MIN_TOKENS or ((restore or donor is not None) and worth >= MIN_TOKENS)):
             self.stash(seq)
         if restore:
             try:

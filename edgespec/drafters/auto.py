@@ -23,6 +23,7 @@ class AutoDrafter:
         self.copy = copy
         self.model = model
         self._lag = 1
+        self._drafted = False
         self._committed = 0  # tokens committed at the last observe (begin: the prompt)
         self._constrained = False  # the last proposal was made under a constraint
         self._bound = None  # under a constraint: the continuation's tokens the proposal stood for
@@ -34,6 +35,7 @@ class AutoDrafter:
     def begin(self, tokens: list[int]) -> None:
         # the draft model catches up on the prompt at its first draft, a cost the policy weighs
         self.policy.start()
+        self._drafted = False  # the draft model has not drafted in this generation yet
         self.copy.begin(tokens)
         self._committed = len(tokens)
         if self.model is not None:
@@ -95,6 +97,7 @@ class AutoDrafter:
             if compared:
                 policy.copy_outcome(m.state, m.run, matched, compared, m.in_prompt, self._constrained)
         if round.draft.source == "model":
+            self._drafted = True
             policy.model_outcome(round.accepted, len(round.draft.tokens))
             if round.timed_draft:
                 policy.online.observe_draft(len(round.draft.tokens), round.draft_seconds, self._lag)
@@ -105,7 +108,13 @@ class AutoDrafter:
         """Committed tokens the draft model has not evaluated: it skips plain rounds, and must
         catch up on them before its next draft (a cost the policy weighs)."""
         backend = getattr(self.model, "backend", None)
-        return len(tokens) - backend.n_past if backend is not None else 1
+        if backend is None:
+            return 1
+        if self.policy.reproducible and not self._drafted:
+            # priced as a fresh generation would find it (what the draft model held before, from
+            # earlier requests, must not change this one's decisions): the whole context
+            return len(tokens)
+        return len(tokens) - backend.n_past
 
     def describe_costs(self) -> dict:
         """Where the cost figures came from and how far the passes have moved them."""

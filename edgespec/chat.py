@@ -71,12 +71,46 @@ def render(template: str | None, messages, *, bos_token: str = "", eos_token: st
     more template variables (`tools`)."""
     messages = validate_messages(messages)
     try:
-        return _compile(template or CHATML).render(messages=messages, add_generation_prompt=True,
-                                                   bos_token=bos_token, eos_token=eos_token, **extra)
+        try:
+            return _compile(template or CHATML).render(messages=messages, add_generation_prompt=True,
+                                                       bos_token=bos_token, eos_token=eos_token, **extra)
+        except Exception:
+            folded = fold_system(messages)
+            if folded == messages:
+                raise
+            # a template that takes a system message only first (gemma's, Llama 2's raise on any
+            # other): the later ones are read as part of the user turn they come beside
+            return _compile(template or CHATML).render(messages=folded, add_generation_prompt=True,
+                                                       bos_token=bos_token, eos_token=eos_token, **extra)
     except Exception as exc:  # a template is a program: any error in it is the template's
         what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UsageError(f"the model's chat template failed ({type(exc).__name__}: {what}); "
                          "use --raw to send the prompt as is") from None
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """`messages` with each system message after the first turn (agents send them mid-conversation)
+    merged into the user turn after it (or before it, at the end), as text; consecutive user turns
+    joined."""
+    out: list[dict] = []
+    pending: list[str] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "system" and (i > 0 or out):
+            pending.append(m["content"])
+            continue
+        if m["role"] == "user" and pending:
+            m = dict(m, content="\n\n".join(pending + [m["content"]]))
+            pending = []
+        if m["role"] == "user" and out and out[-1]["role"] == "user" and not out[-1].get("tool_calls"):
+            out[-1] = dict(out[-1], content=out[-1]["content"] + "\n\n" + m["content"])
+            continue
+        out.append(m)
+    if pending:
+        if out and out[-1]["role"] == "user":
+            out[-1] = dict(out[-1], content=out[-1]["content"] + "\n\n" + "\n\n".join(pending))
+        else:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
 
 
 def render_segments(template: str | None, messages, **tokens) -> list[tuple[str, bool]]:

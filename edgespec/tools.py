@@ -13,12 +13,15 @@ turns) and parses an answer back into text and calls, whole or as it streams.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .errors import UsageError
+
+log = logging.getLogger("edgespec.tools")
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 CHOICES = ("auto", "none", "required")
@@ -31,6 +34,14 @@ class Tool:
     name: str
     description: str
     parameters: dict
+    # how the grammar holds the arguments to `parameters`: "strict" (all of it), "lenient" (keywords
+    # llguidance does not implement, e.g. propertyNames, are left out of the grammar) or "none" (the
+    # schema does not compile at all: any JSON object). Arguments not held in full are checked
+    # against `parameters` once generated (ToolSpec.check).
+    enforced: str = "strict"
+
+    def grammar_parameters(self) -> dict:
+        return self.parameters if self.enforced != "none" else {"type": "object"}
 
     def openai(self) -> dict:
         return {"type": "function", "function": {"name": self.name, "description": self.description,
@@ -42,6 +53,7 @@ class ToolCall:
     id: str
     name: str
     arguments: dict
+    error: Optional[str] = None  # the arguments break the tool's schema (one the grammar could not hold in full)
 
     def openai(self) -> dict:
         return {"id": self.id, "type": "function",
@@ -82,7 +94,7 @@ class ToolSpec:
             params = fn.get("parameters", {"type": "object", "properties": {}})
             if not isinstance(params, dict):
                 raise UsageError(f"tools[{i}].function.parameters must be a JSON Schema object")
-            _check_schema(params, f"tools[{i}].function.parameters")
+            enforced = _check_schema(params, f"tools[{i}].function.parameters")
             kind = params.get("type", "object")
             if kind != "object" and not (isinstance(kind, list) and "object" in kind):
                 # a call's arguments are a JSON object (OpenAI's and Anthropic's rule): anything
@@ -93,7 +105,7 @@ class ToolSpec:
             desc = fn.get("description") or ""
             if not isinstance(desc, str):
                 raise UsageError(f"tools[{i}].function.description must be text")
-            out.append(Tool(name, desc, params))
+            out.append(Tool(name, desc, params, enforced))
         choice, function = "auto", None
         if isinstance(tool_choice, dict):
             fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
@@ -118,6 +130,27 @@ class ToolSpec:
                              "them, or use $defs and $ref for recursive structures") from None
         return spec
 
+    @property
+    def lenient(self) -> bool:
+        """A tool's schema is not held in full by the grammar (it is compiled leniently)."""
+        return any(t.enforced != "strict" for t in self.tools)
+
+    def check(self, calls: list["ToolCall"]) -> list["ToolCall"]:
+        """`calls`, each whose tool's schema the grammar did not hold in full checked against it
+        (jsonschema): a call that breaks it carries the first error in `error` (the client still
+        gets the call: agents answer such a call with an error result, and the model retries)."""
+        tools = {t.name: t for t in self.tools}
+        out = []
+        for c in calls:
+            tool = tools.get(c.name)
+            if tool is not None and tool.enforced != "strict":
+                why = _schema_error(tool.parameters, c.arguments)
+                if why is not None:
+                    log.info("tool call %s: arguments break its schema: %s", c.name, why)
+                    c = replace(c, error=why)
+            out.append(c)
+        return out
+
     def callable_tools(self) -> tuple[Tool, ...]:
         return tuple(t for t in self.tools if self.function is None or t.name == self.function)
 
@@ -127,7 +160,7 @@ class ToolSpec:
         defs: dict = {}
         options = []
         for i, t in enumerate(self.callable_tools()):
-            params = _hoist_defs(t.parameters, f"t{i}_", defs)
+            params = _hoist_defs(t.grammar_parameters(), f"t{i}_", defs)
             options.append({"type": "object", "properties": {"name": {"const": t.name}, args_key: params},
                             "required": ["name", args_key], "additionalProperties": False})
         out = options[0] if len(options) == 1 else {"anyOf": options}
@@ -160,16 +193,48 @@ def _hoist_defs(schema: dict, prefix: str, into: dict) -> dict:
     return rewrite(schema)
 
 
-def _check_schema(schema: dict, where: str) -> None:
+def _check_schema(schema: dict, where: str) -> str:
+    """How the grammar can hold arguments to `schema` (Tool.enforced). A schema llguidance cannot
+    compile is no reason to refuse the request: agents send dozens of tools, and one keyword in one
+    of them (propertyNames) would cost the whole request. Its tool stays callable; its calls are
+    checked after generation."""
     from .constraints import Constraint
     try:
         Constraint.build(json_schema=schema)
+        return "strict"
     except UsageError as exc:
-        raise UsageError(f"{where} is not a usable JSON Schema: {exc}") from None
+        first = str(exc)
+    try:
+        Constraint.build(json_schema={**schema, "x-guidance": {"lenient": True}})
+        log.info("%s: compiled leniently (%s); its calls are checked after generation", where, first)
+        return "lenient"
+    except UsageError as exc:
+        log.info("%s: not compiled (%s); any JSON object is generated, then checked", where, exc)
+        return "none"
 
 
-def _json_lark(schema: dict) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
+def _schema_error(schema: dict, value) -> Optional[str]:
+    """The first way `value` breaks `schema` (jsonschema), None if it holds or cannot be checked."""
+    try:
+        import jsonschema
+    except ImportError:  # the server's extra brings it; a bare library install checks nothing
+        log.warning("jsonschema is not installed: tool call arguments are not checked")
+        return None
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        cls.check_schema(schema)
+        err = jsonschema.exceptions.best_match(cls(schema).iter_errors(value))
+    except (jsonschema.exceptions.SchemaError, RecursionError, TypeError, ValueError):
+        return None  # not a schema jsonschema can apply either
+    if err is None:
+        return None
+    where = "/".join(str(p) for p in err.absolute_path)
+    return f"{where or 'arguments'}: {err.message}"[:300]
+
+
+def _json_lark(schema: dict, lenient: bool = False) -> str:
+    style = {**JSON_STYLE, "lenient": True} if lenient else JSON_STYLE
+    return "%json " + json.dumps({**schema, "x-guidance": style})
 
 
 # -- formats ----------------------------------------------------------------------------------
@@ -223,7 +288,7 @@ class Hermes(Format):
     CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
     def grammar(self, spec: ToolSpec) -> Optional[str]:
-        call = f'tc: <tool_call> "\\n" call "\\n" </tool_call>\ncall: {_json_lark(spec.call_schema())}\n'
+        call = f'tc: <tool_call> "\\n" call "\\n" </tool_call>\ncall: {_json_lark(spec.call_schema(), spec.lenient)}\n'
         calls = 'tc ("\\n" tc)*' if spec.parallel and spec.choice != "function" else "tc"
         if spec.choice in ("required", "function"):
             return f"start: {calls}\n" + call
@@ -278,7 +343,7 @@ class Generic(Format):
     def grammar(self, spec: ToolSpec) -> Optional[str]:
         if spec.choice == "none":
             return None
-        return "start: answer\nanswer: " + _json_lark(self._answer_schema(spec))
+        return "start: answer\nanswer: " + _json_lark(self._answer_schema(spec), spec.lenient)
 
     def describe(self, spec: ToolSpec) -> str:
         lines = ["You can call these functions (JSON Schema of their arguments):"]
@@ -349,7 +414,7 @@ class Llama3(Format):
     def grammar(self, spec: ToolSpec) -> Optional[str]:
         if spec.choice == "none":
             return None
-        call = "call: " + _json_lark(spec.call_schema("parameters")) + "\n"
+        call = "call: " + _json_lark(spec.call_schema("parameters"), spec.lenient) + "\n"
         if spec.choice in ("required", "function"):
             return "start: call\n" + call
         return "start: TEXT | call\nTEXT: /(?s:[^{].*)/\n" + call  # free text, or a call from its first brace
@@ -391,7 +456,7 @@ class Mistral(Format):
             array["maxItems"] = most
         # the marker is a control token of these vocabularies: llguidance names it by its id
         marker = f"<[{self.marker_id}]>" if self.marker_id is not None else json.dumps(self.TAG)
-        call = f"calls: {marker} " + _json_lark(array) + "\n"
+        call = f"calls: {marker} " + _json_lark(array, spec.lenient) + "\n"
         if spec.choice in ("required", "function"):
             return "start: calls\n" + call
         return "start: TEXT | calls\nTEXT: /(?s:.+)/\n" + call
@@ -484,7 +549,11 @@ class StreamParser:
             return "".join(out)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet shown, the calls)."""
+        """(content not yet shown, the calls, checked: ToolSpec.check)."""
+        content, calls = self._finish()
+        return content, (self.spec.check(calls) if self.spec is not None and calls else calls)
+
+    def _finish(self) -> tuple[str, list[ToolCall]]:
         content, calls = self.fmt.parse(self.text, self.spec)
         if not isinstance(self.fmt, Hermes):
             return content, calls

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Optional, Union
+import logging
+from typing import Any, Optional
 
 from pydantic import ConfigDict
 
 from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, check_extra_fields, timings
+
+log = logging.getLogger("edgespec.server")
 
 # Anthropic's fields that cannot change the answer here; any other unknown field is refused
 IGNORED = frozenset({"metadata", "service_tier", "thinking", "anthropic_version", "container",
@@ -48,7 +51,7 @@ class MessagesRequest(_Body):
     model: Optional[str] = None      # one model is served, whatever the client names
     max_tokens: int                  # required, as Anthropic's API has it
     messages: list
-    system: Union[str, list, None] = None
+    system: Any = None               # text, or text blocks (checked in _messages: errors name the field)
     tools: Optional[list] = None
     tool_choice: Optional[dict] = None
     temperature: Optional[float] = None
@@ -73,8 +76,9 @@ class MessagesRequest(_Body):
             body["top_k"] = self.top_k
         if self.stop_sequences:
             body["stop"] = self.stop_sequences
-        if self.tools:
-            body["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
+        tools = [f for f in (_tool(i, t) for i, t in enumerate(self.tools or ())) if f is not None]
+        if tools:
+            body["tools"] = tools
         fmt = (self.output_config or {}).get("format")
         if fmt is not None:  # structured output: the same constraint as OpenAI's json_schema
             if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
@@ -82,7 +86,7 @@ class MessagesRequest(_Body):
                                param="output_config")
             schema = fmt["schema"]
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
-        if self.tool_choice is not None:
+        if self.tool_choice is not None and (tools or self.tool_choice.get("type") in ("auto", "none")):
             choice, parallel = _choice(self.tool_choice)
             if choice is not None:
                 body["tool_choice"] = choice
@@ -92,28 +96,50 @@ class MessagesRequest(_Body):
 
     def _messages(self) -> list[dict]:
         out = []
+        if self.system is not None and not isinstance(self.system, (str, list)):
+            raise ApiError(400, f"system: must be a string or a list of text blocks, got {type(self.system).__name__}",
+                           param="system")
         if self.system:
             out.append({"role": "system", "content": _text(self.system, "system")})
         if not self.messages:
             raise ApiError(400, "messages: at least one message is required", param="messages")
+        seen_ids: set[str] = set()
         for i, m in enumerate(self.messages):
             where = f"messages.{i}"
-            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            # a system message inside the conversation (Claude Code's mid-conversation-system beta)
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
                 role = m.get("role") if isinstance(m, dict) else None
-                raise ApiError(400, f"{where}.role: must be 'user' or 'assistant', got {role!r} (the system prompt "
-                               "goes in the top-level 'system' field)", param=where)
+                raise ApiError(400, f"{where}.role: must be 'user', 'assistant' or 'system', got {role!r}",
+                               param=where)
             role, content = m["role"], m.get("content")
             blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
             if not isinstance(blocks, list):
                 raise ApiError(400, f"{where}.content: must be a string or a list of content blocks", param=where)
+            if not blocks and not (role == "assistant" and i == len(self.messages) - 1):
+                raise ApiError(400, f"{where}.content: must not be empty (give at least one content block)",
+                               param=where)
+            if role == "system":
+                out.append({"role": "system", "content": _text(blocks, f"{where}.content")})
+                continue
             texts, calls, results = [], [], []
             for j, b in enumerate(blocks):
-                kind = b.get("type") if isinstance(b, dict) else None
                 at = f"{where}.content.{j}"
-                if kind == "text" and isinstance(b.get("text"), str):
+                if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+                    raise ApiError(400, f"{at}: a content block is an object with a 'type' (text, tool_use, "
+                                   "tool_result, ...)", param=where)
+                kind = b["type"]
+                if kind == "text":
+                    if not isinstance(b.get("text"), str):
+                        raise ApiError(400, f"{at}.text: must be a string, got {type(b.get('text')).__name__}",
+                                       param=where)
                     texts.append(b["text"])
                 elif kind == "tool_use" and role == "assistant":
-                    calls.append(_call(b, at))
+                    call = _call(b, at)
+                    if call["id"] in seen_ids:
+                        raise ApiError(400, f"{at}.id: tool_use ids must be unique: {call['id']!r} is used twice",
+                                       param=where)
+                    seen_ids.add(call["id"])
+                    calls.append(call)
                 elif kind == "tool_result" and role == "user":
                     results.append(_result(b, at))
                 elif kind in ("thinking", "redacted_thinking"):
@@ -172,11 +198,15 @@ def _result(b: dict, where: str) -> dict:
     return {"role": "tool", "tool_call_id": cid, "content": text}
 
 
-def _tool(i: int, t) -> dict:
-    if not isinstance(t, dict) or t.get("type") not in (None, "custom"):
-        kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-        raise ApiError(400, f"tools.{i}: tool type {kind!r} is not served here; give client tools as "
-                       "{'name', 'description', 'input_schema'}", param="tools")
+def _tool(i: int, t) -> Optional[dict]:
+    """The function a client tool offers; None for a server tool (web_search_..., code_execution_...,
+    mcp toolsets), which this server cannot run: it is passed over and the model never sees it."""
+    if not isinstance(t, dict):
+        raise ApiError(400, f"tools.{i}: a tool is an object {{'name', 'description', 'input_schema'}}",
+                       param="tools")
+    if t.get("type") not in (None, "custom"):
+        log.debug("tools.%d: tool type %r is run by Anthropic's servers, not here: passed over", i, t.get("type"))
+        return None
     if not isinstance(t.get("input_schema"), dict):
         raise ApiError(400, f"tools.{i}.input_schema: a JSON Schema object is required", param="tools")
     return {"type": "function", "function": {"name": t.get("name"), "description": t.get("description") or "",
@@ -245,6 +275,9 @@ class Shape(_Shape):
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
         return [self._event({"type": "message_start", "message": message}), self._event({"type": "ping"})]
+
+    def keepalive(self) -> list:
+        return [self._event({"type": "ping"})]
 
     def _open_text(self) -> list:
         self.text_open = True

@@ -14,16 +14,24 @@ to send the whole conversation in `input`; `store` is accepted and keeps nothing
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, PrivateAttr
 
 from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, check_extra_fields, timings
 
+log = logging.getLogger("edgespec.server")
+
 IGNORED = frozenset({"metadata", "user", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                     "reasoning", "include", "stream_options", "top_logprobs", "background", "prompt_cache_retention"})
+                     "reasoning", "include", "stream_options", "top_logprobs", "background", "prompt_cache_retention",
+                     "client_metadata"})
+# input items that are an earlier answer's reasoning or the record of a server-run tool: not part of
+# what the model reads back
+PASSED_ITEMS = frozenset({"reasoning", "web_search_call", "file_search_call", "image_generation_call",
+                          "code_interpreter_call", "mcp_list_tools", "compaction"})
 NEUTRAL = {"background": lambda v: not v, "top_logprobs": lambda v: not v}
 WORDS = ((".function.parameters", ".parameters"), ("max_tokens", "max_output_tokens"),
          ("response_format", "text.format"))
@@ -35,7 +43,7 @@ class ResponsesRequest(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: Optional[str] = None
-    input: Union[str, list]
+    input: Any = None                # a string or items (checked in _messages: errors name the field)
     instructions: Optional[str] = None
     tools: Optional[list] = None
     tool_choice: Union[str, dict, None] = None
@@ -48,6 +56,8 @@ class ResponsesRequest(_Body):
     truncation: Optional[str] = None
     previous_response_id: Optional[str] = None
     conversation: Union[str, dict, None] = None
+    _functions: Optional[list] = PrivateAttr(default=None)
+    _flat: dict = PrivateAttr(default_factory=dict)
 
     def _check_extra(self) -> None:
         check_extra_fields(self.model_extra, IGNORED, NEUTRAL)
@@ -70,18 +80,64 @@ class ResponsesRequest(_Body):
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ApiError(400, f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
                            param="max_output_tokens")
-        if self.tools:
-            body["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
-        if self.tool_choice is not None:
-            body["tool_choice"] = _choice(self.tool_choice)
+        tools = self.functions()
+        if tools:
+            body["tools"] = tools
+        if self.tool_choice is not None and (tools or self.tool_choice in ("auto", "none")):
+            body["tool_choice"] = _choice(self.tool_choice, self._flat)
         fmt = _format(self.text)
         if fmt is not None:
             body["response_format"] = fmt
         return ChatRequest.model_validate(body)
 
+    def functions(self) -> list[dict]:
+        """The functions of `tools` as the chat request takes them: a `namespace` tool's functions
+        flattened (named as before, or `namespace.name` where two would share a name; the answer
+        names them back as `namespace` and `name`); tools this server cannot run (hosted tools:
+        web_search, file_search, mcp...; `custom` and `local_shell`, whose calls are no JSON
+        function calls) passed over."""
+        if self._functions is not None:
+            return self._functions
+        found: list[tuple[Optional[str], dict, str]] = []
+        for i, t in enumerate(self.tools or ()):
+            if not isinstance(t, dict):
+                raise ApiError(400, f"tools.{i}: a tool is an object with a 'type'", param="tools")
+            if t.get("type") == "function":
+                found.append((None, t, f"tools.{i}"))
+            elif t.get("type") == "namespace":
+                if not isinstance(t.get("name"), str) or not isinstance(t.get("tools"), list):
+                    raise ApiError(400, f"tools.{i}: a namespace tool has a 'name' and a list of 'tools'",
+                                   param="tools")
+                for j, sub in enumerate(t["tools"]):
+                    if isinstance(sub, dict) and sub.get("type") == "function":
+                        found.append((t["name"], sub, f"tools.{i}.tools.{j}"))
+            else:
+                log.debug("tools.%d: tool type %r is not run here: passed over", i, t.get("type"))
+        names = [t.get("name") for _, t, _ in found]
+        self._flat = {}  # the model's name -> (namespace, name) as the client named it
+        out = []
+        for (ns, t, where), name in zip(found, names):
+            flat = f"{ns}.{name}" if ns is not None and names.count(name) > 1 else name
+            if isinstance(name, str):
+                self._flat[flat] = (ns, name)
+            out.append(_tool(where, t, flat))
+        self._functions = out
+        return out
+
+    def call_name(self, flat: str) -> tuple[Optional[str], str]:
+        """(namespace, name) of a function as the client named it."""
+        self.functions()
+        return self._flat.get(flat, (None, flat))
+
     def _messages(self) -> list[dict]:
         out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if not isinstance(self.input, (str, list)):
+            raise ApiError(400, f"input: must be a string or a list of items, got {type(self.input).__name__}",
+                           param="input")
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        self.functions()
+        by_client = {v: k for k, v in self._flat.items()}
+        call_ids: set[str] = set()
         if not items:
             raise ApiError(400, "input: give the prompt as a string or a non-empty list of items", param="input")
         for i, item in enumerate(items):
@@ -103,6 +159,12 @@ class ResponsesRequest(_Body):
                 if not (isinstance(name, str) and isinstance(cid, str) and isinstance(args, str)):
                     raise ApiError(400, f"{where}: a function_call item has string name, call_id and arguments",
                                    param="input")
+                if cid in call_ids:
+                    raise ApiError(400, f"{where}.call_id: {cid!r} is used by two function_call items; each "
+                                   "call has its own call_id", param="input")
+                call_ids.add(cid)
+                ns = item.get("namespace")
+                name = by_client.get((ns if isinstance(ns, str) else None, name), name)
                 call = {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
                 last = out[-1] if out else None
                 if last is not None and last["role"] == "assistant":  # the same turn: its text and calls
@@ -115,8 +177,8 @@ class ResponsesRequest(_Body):
                     raise ApiError(400, f"{where}: a function_call_output item names its call in call_id",
                                    param="input")
                 out.append({"role": "tool", "tool_call_id": cid, "content": _content(output, f"{where}.output")})
-            elif kind == "reasoning":
-                continue  # an earlier answer's reasoning: not part of what the model reads back
+            elif kind in PASSED_ITEMS:
+                continue
             else:
                 raise ApiError(400, f"{where}: items of type {kind!r} are not served here (message, function_call "
                                "and function_call_output are)", param="input")
@@ -141,22 +203,22 @@ def _content(value, where: str) -> str:
     return "".join(parts)
 
 
-def _tool(i: int, t) -> dict:
-    if not isinstance(t, dict) or t.get("type") != "function":
-        kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-        raise ApiError(400, f"tools.{i}: tool type {kind!r} is not served here; only type 'function' is",
-                       param="tools")
-    fn = {"name": t.get("name"), "description": t.get("description") or ""}
+def _tool(where: str, t: dict, name: str) -> dict:
+    if not isinstance(t.get("name"), str):
+        raise ApiError(400, f"{where}.name: a function tool has a string name", param="tools")
+    fn = {"name": name, "description": t.get("description") or ""}
     if t.get("parameters") is not None:
         fn["parameters"] = t["parameters"]
     return {"type": "function", "function": fn}
 
 
-def _choice(c):
+def _choice(c, flat: dict):
     if isinstance(c, str):
         return c
     if isinstance(c, dict) and c.get("type") == "function" and isinstance(c.get("name"), str):
-        return {"type": "function", "function": {"name": c["name"]}}
+        by_client = {v: k for k, v in flat.items()}
+        ns = c.get("namespace") if isinstance(c.get("namespace"), str) else None
+        return {"type": "function", "function": {"name": by_client.get((ns, c["name"]), c["name"])}}
     raise ApiError(400, "tool_choice must be auto, none, required or {'type': 'function', 'name': ...}",
                    param="tool_choice")
 
@@ -224,10 +286,13 @@ class Shape(_Shape):
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
-    @staticmethod
-    def _call(c) -> dict:
-        return {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": c.id, "name": c.name,
+    def _call(self, c) -> dict:
+        ns, name = self.body.call_name(c.name)
+        item = {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": c.id, "name": name,
                 "arguments": json.dumps(c.arguments, ensure_ascii=False), "status": "completed"}
+        if ns is not None:
+            item["namespace"] = ns
+        return item
 
     def whole(self, text: str, stats, reason: str, tool_calls=()) -> dict:
         status = self._status(reason)
@@ -244,6 +309,9 @@ class Shape(_Shape):
     def opening(self) -> list:
         head = self._response("in_progress", [])
         return [self._event("response.created", response=head), self._event("response.in_progress", response=head)]
+
+    def keepalive(self) -> list:
+        return [self._event("response.in_progress", response=self._response("in_progress", []))]
 
     def _open_message(self) -> list:
         self.message_open = True

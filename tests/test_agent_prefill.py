@@ -1,0 +1,46 @@
+"""Agent-sized prompts: a request cancelled in the middle of its prompt keeps the pieces already
+evaluated, so the client's retry resumes where it stopped (SmolLM2, real llama.cpp)."""
+from __future__ import annotations
+
+import threading
+import time
+
+from edgespec import Engine
+from edgespec.request import Request
+
+PROMPT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(160))
+
+
+def test_a_prompt_cancelled_midway_keeps_its_pieces_and_the_retry_resumes(smol):
+    with Engine.load(str(smol), drafter="none", n_ctx=4096, threads=2, calibrate="never") as eng:
+        prompt = eng.prepare_prompt(PROMPT, Request(max_tokens=4))
+        n = len(prompt.tokens)
+        assert n > 1500
+        stream = eng.stream_prompt(prompt)
+        done = threading.Event()
+
+        def read():
+            for _ in stream:
+                pass
+            done.set()
+        t = threading.Thread(target=read)
+        t.start()
+        seqs = eng.sequences
+        deadline = time.monotonic() + 120
+        while max(seqs.canon.values(), default=0) < 512 and time.monotonic() < deadline and not done.is_set():
+            time.sleep(0.005)
+        stream.cancel()
+        t.join(60)
+        assert not t.is_alive()
+        assert stream.finish_reason == "cancelled"
+        evaluated = max(seqs.canon.values())
+        assert 512 <= evaluated < n - 1, evaluated  # stopped in the middle of the prompt
+        again = eng.stream_prompt(eng.prepare_prompt(PROMPT, Request(max_tokens=4)))
+        with again:
+            for _ in again:
+                pass
+        st = again.stats
+        assert st.reused_prompt_tokens >= evaluated - evaluated % seqs.piece > 0
+        # and the answer is the one a fresh prompt gives (the pieces are the canonical ones)
+        eng.reset()
+        assert eng.generate(PROMPT, max_tokens=4).tokens == list(again.tokens)

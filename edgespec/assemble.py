@@ -228,10 +228,17 @@ class Settings:
 
     def memory_modes(self) -> list:
         """The modes the planner may use, in its order: the asked one, then the cheaper ones
-        (memory.MemoryMode.cheaper: q8_0 KV, no repacked weights, both) when there is a
-        memory budget to fit; the asked one alone without one."""
+        (memory.MemoryMode.cheaper: q8_0 KV, no repacked weights, both), fastest first at this
+        context (memory.by_speed), when there is a memory budget to fit; the asked one alone
+        without one."""
+        from .memory import by_speed
         mode = self.memory_mode()
-        return mode.cheaper(self.flash_attn) if self.memory_budget is not None else [mode]
+        return by_speed(mode.cheaper(self.flash_attn), self.n_ctx) if self.memory_budget is not None else [mode]
+
+    def cheapest_mode(self):
+        """The mode of the planner's that takes the least memory (q8_0 KV and no repacked weights)."""
+        return self.memory_mode().cheaper(self.flash_attn)[-1] if self.memory_budget is not None \
+            else self.memory_mode()
 
     def budget_bytes(self) -> Optional[int]:
         from .memory import parse_size
@@ -349,7 +356,7 @@ def _smaller_parallel(settings: Settings, t_info, d_info, result: dict, drafter:
     return largest_parallel(t_info, d_info, n_ctx=settings.n_ctx, drafter=drafter, budget=result["fit_bytes"],
                             limit=result["parallel"] - 1, gpu_layers=offloaded_layers(settings.n_gpu_layers),
                             draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers),
-                            flash_attn=settings.flash_attn, mode=settings.memory_modes()[-1])
+                            flash_attn=settings.flash_attn, mode=settings.cheapest_mode())
 
 
 def fit_budget(settings: Settings, t_info, d_info) -> tuple:
@@ -389,7 +396,7 @@ def decide(settings: Settings, t_info, d_info) -> dict:
         hint = (f"pass {' or '.join(fits)}, " if fits else "") + \
             "raise --memory-budget or lower --cache-ram (see `edgespec plan`)"
         modes = settings.memory_modes()
-        cheapest = f" in memory mode {modes[-1].name}" if len(modes) > 1 else ""
+        cheapest = f" in memory mode {settings.cheapest_mode().name}" if len(modes) > 1 else ""
         return {"ok": False, "error": f"{t_info.path.name}{seqs} does not fit in {budget_words(result)} even without "
                                       f"a drafter at n_ctx {settings.n_ctx}{cheapest}: {hint}"}
     got = choice["drafter"]
@@ -431,7 +438,7 @@ def check_context(settings: Settings, t_info, d_info=None) -> None:
     # a lower bound (no copied weights, no runtime, one sequence unless more are asked for): what
     # is refused here could never run
     n = settings.parallel or 1
-    cheapest = settings.memory_modes()[-1]
+    cheapest = settings.cheapest_mode()
     need = estimate_model(t_info, settings.n_ctx, gpu_layers=offloaded_layers(settings.n_gpu_layers),
                           repacked_types=(), flash_attn=settings.flash_attn, n_seq=n,
                           type_k=cheapest.type_k, type_v=cheapest.type_v).total

@@ -30,6 +30,8 @@ context (plan(), modes=).
 """
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
@@ -135,6 +137,50 @@ MODE_SPEED = {
         512: {"decode": 0.70, "prefill": 1.28, "verify_2": 0.64, "verify_4": 0.70, "verify_8": 0.82},
         4096: {"decode": 0.73, "prefill": 0.26, "verify_2": 0.63, "verify_4": 0.64, "verify_8": 0.67}},
 }
+
+
+# What the planner weighs modes by: one request at the planned context, its prompt as long as the
+# context's depth and an answer of ANSWER_TOKENS, a prompt token costing PREFILL_SHARE of a decoded
+# one (a CPU evaluates 50-100 prompt tokens a second where it decodes 10-30).
+ANSWER_TOKENS = 256
+PREFILL_SHARE = 1 / 8
+
+
+def mode_time(mode: MemoryMode, n_ctx: int) -> Optional[float]:
+    """A request's time at depth `n_ctx` in `mode`, relative units (MODE_SPEED's factors,
+    interpolated between the measured depths on a log scale, the deepest one's beyond): None
+    when the mode was not measured."""
+    f = mode_speed(mode)
+    if f is None:
+        return None
+    lo, hi = min(f), max(f)
+    d = min(max(n_ctx, lo), hi)
+    w = math.log(d / lo) / math.log(hi / lo) if hi > lo else 0.0
+
+    def at(what: str) -> float:
+        return (1 - w) * f[lo][what] + w * f[hi][what]
+    return n_ctx * PREFILL_SHARE / at("prefill") + ANSWER_TOKENS / at("decode")
+
+
+def by_speed(modes: list[MemoryMode], n_ctx: int) -> list[MemoryMode]:
+    """`modes` with the first (the asked one) kept first and the others fastest first at the
+    planned context (mode_time; unmeasured ones last, in their order). A q8_0 KV cache is the
+    cheaper mode at a short context and the slowest at a long one (its prefill at depth 4,096
+    runs at 0.24x f16's): no fixed order is right for both."""
+    if len(modes) <= 2:
+        return list(modes)
+    rest = modes[1:]
+    timed = sorted((m for m in rest if mode_time(m, n_ctx) is not None), key=lambda m: mode_time(m, n_ctx))
+    return [modes[0], *timed, *(m for m in rest if mode_time(m, n_ctx) is None)]
+
+
+def _least(modes: list[MemoryMode]) -> MemoryMode:
+    """The mode of `modes` that takes the least memory: the most quantized KV caches, no repacking."""
+    def saving(m: MemoryMode) -> tuple:
+        quantized = sum(KV_TYPE_SIZES["f16"][0] * KV_TYPE_SIZES[t][1] / KV_TYPE_SIZES[t][0]
+                        for t in (m.type_k, m.type_v, m.draft_type_k, m.draft_type_v))
+        return (quantized + (0 if m.repack else 4), -modes.index(m))
+    return max(modes, key=saving)
 
 
 def mode_speed(mode: MemoryMode) -> Optional[dict]:
@@ -538,8 +584,8 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
             break
         c = configs.get((d, n_ctx))
         if c is not None and not c["fits"]:
-            cheapest = every.get((d, n_ctx, modes[-1].name), c)
-            also = (f" (about {_gib(cheapest['estimated_bytes'])} in memory mode {modes[-1].name})"
+            cheapest = every.get((d, n_ctx, _least(modes).name), c)
+            also = (f" (about {_gib(cheapest['estimated_bytes'])} in memory mode {_least(modes).name})"
                     if cheapest is not c else "")
             lines.append(f"Dropped: {CONFIG_WORDS[d]} at n_ctx {n_ctx} needs about {_gib(c['estimated_bytes'])}{also}, "
                          f"{_gib(cheapest['estimated_bytes'] - budget)} over the budget.")
@@ -553,7 +599,7 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
     trained = [trained_context(i) for i in (target_info, draft_info) if i]
     limit = min([t for t in trained if t] or [CTX_CHOICES[0] * 4])
     each = f"each of {n_seq} sequences, " if n_seq > 1 else ""
-    for m in dict.fromkeys([asked, modes[-1]]):
+    for m in dict.fromkeys([asked, _least(modes)]):
         largest = []
         for d in order:
             if d == "model" and draft_info is None:
@@ -602,7 +648,7 @@ def _parallel_words(result: dict, every: dict, target_info, draft_info, *, wante
         kept = ch.get("drafter") == wanted and ch.get("n_ctx") == n_ctx  # in one of the modes
         if req is not None and not kept and n > 1:  # fewer sequences, in the cheapest mode the planner tries
             k = largest_parallel(target_info, draft_info, n_ctx=n_ctx, drafter=wanted, budget=budget, limit=n - 1,
-                                 mode=modes[-1], **est)
+                                 mode=_least(modes), **est)
             if k:
                 why += f"; --parallel {k} fits {CONFIG_WORDS[wanted]} at n_ctx {n_ctx}"
     kv = ""

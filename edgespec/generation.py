@@ -24,6 +24,7 @@ class GenerationStats:
     forced: int = 0                 # accepted tokens a constraint forced (drafts of source "grammar")
     rounds: int = 0
     target_forwards: int = 0
+    exact_cuts: int = 0             # rounds whose rows went in a pass apart from other sequences' (exactness)
     accept_histogram: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafts
     # source -> {"rounds", "drafted", "accepted", "seconds"}: seconds of the rounds it chose (their
     # drafting and pass), so rounds + accepted tokens over seconds is what it gave per second

@@ -83,6 +83,10 @@ def step(target, gens: list[Generation], width: int, exact: bool = False) -> Non
         cut = sorted(([i] for i in range(len(parts))), key=lambda g: parts[g[0]][0]) \
             if exact and len(parts) > 1 else _exact_cut(live, parts)
         got = iter(_verify(target, parts, cut))
+        if cut is not None and len(cut) > 1:  # a shared pass cut so that each computes as alone
+            for g, (part, _) in zip(live, feeds):
+                if part is not None:
+                    g.stats.exact_cuts += 1
     except Exception as exc:
         for g in live:
             g.error, g.finished = exc, True

@@ -30,7 +30,8 @@ from starlette.middleware.cors import CORSMiddleware
 from ..errors import ConstraintError, ContextLengthError, EdgespecError, UsageError
 from . import worker
 from .guard import Guard, HostRule
-from . import anthropic, responses
+from . import anthropic, ollama, responses
+from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .schemas import ApiError, ChatRequest, CompletionRequest, Envelope, Shape
 
 log = logging.getLogger("edgespec.server")
@@ -46,10 +47,11 @@ SHUTDOWN_GRACE_SECONDS = 2.0
 def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str] = None,
                cors_origins: Sequence[str] = (), hosts: Optional[HostRule] = None,
                queue_size: int = 8, context_overflow: str = "error", on_ready: Optional[Callable[[], None]] = None,
-               on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
+               on_load_error: Optional[Callable[[BaseException], None]] = None, metrics: bool = True) -> FastAPI:
     """`load()` builds the Engine (it runs on the engine thread once the server listens);
     `on_ready` / `on_load_error` tell the caller how that went. `hosts`: the Host header values
-    accepted (None: this machine's loopback names); `cors_origins`: the web origins allowed."""
+    accepted (None: this machine's loopback names); `cors_origins`: the web origins allowed;
+    `metrics`: serve GET /metrics (metrics.py)."""
 
     sched: Optional[worker.Scheduler] = None
 
@@ -79,6 +81,7 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
             await sched.close()
 
     app = FastAPI(title="edgespec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = ServerMetrics(lambda: sched, model_id) if metrics else None  # fed by _answer
     # as the Guard compares them, and as browsers send them: lower case, no trailing slash
     cors_origins = [o if o == "*" else o.strip().rstrip("/").lower() for o in cors_origins]
     if cors_origins:  # closed unless asked: a web page must not drive a local model by default
@@ -246,6 +249,11 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         return await chat_like(request, chat, lambda prompt: responses.Shape(model_id, body), overflow, responses)
 
     app.include_router(v1)
+    app.include_router(ollama.router(model_id, scheduler, authorized, chat_like, context_overflow))
+    if metrics:
+        @app.get("/metrics", dependencies=[Depends(authorized)])
+        async def prometheus_metrics():
+            return Response(app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
     return app
 
 
@@ -355,6 +363,9 @@ async def _answer(s: worker.Scheduler, request: Request, shape: Shape, stream: O
     _ready(s)
     shape.clock["t0"] = getattr(request.state, "t0", None) or time.perf_counter()
     shape.clock["queued"] = time.perf_counter()
+    watching = getattr(request.app.state, "metrics", None)
+    if watching is not None:  # the generation's figures, added up when it ends (metrics.py)
+        opener = watching.watch(opener)
     try:
         job = s.submit(opener, streamed=bool(stream))
     except worker.QueueFull:
@@ -382,6 +393,9 @@ async def _answer(s: worker.Scheduler, request: Request, shape: Shape, stream: O
                 # closing the iterator would not reach the job
                 watcher.cancel()
                 owned.cancel()
+            custom = getattr(shape, "stream_response", None)  # another framing: Ollama's NDJSON (ollama.py)
+            if custom is not None:
+                return custom(_events(owned, shape, watcher), client_closed)
             return EventSourceResponse(_events(owned, shape, watcher), sep="\n",
                                        client_close_handler_callable=client_closed,
                                        shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)

@@ -21,11 +21,15 @@ DEFAULT_PORT = 8080
 DEFAULT_QUEUE = 8
 API_KEY_ENV = "EDGESPEC_API_KEY"
 
-DESCRIPTION = ("Serve one model pair over an OpenAI-compatible HTTP API (/health, /v1/models, "
-               "/v1/chat/completions, /v1/completions, streamed or not) for desktop apps and scripts. "
-               "Up to --parallel requests are answered at once, batched together; more wait in arrival "
-               "order. A conversation's next turn reuses the KV cache of the prefix it shares with an "
-               "earlier request.")
+DESCRIPTION = ("Serve one model pair over HTTP for desktop apps, agents and scripts: OpenAI's API (/v1/models, "
+               "/v1/chat/completions, /v1/completions, /v1/responses), Anthropic's Messages API (/v1/messages), "
+               "Ollama's API (/api/tags, /api/show, /api/chat, /api/generate ...), /health, and Prometheus metrics "
+               "(/metrics). Up to --parallel requests are answered at once, batched together; more wait in arrival "
+               "order. A conversation's next turn reuses the KV cache of the prefix it shares with an earlier "
+               "request. The model's name is the pair's name, or the GGUF file's name without .gguf, as "
+               "/v1/models and /api/tags list it (NAME:latest is the same): Ollama's routes answer another name "
+               "with 404, OpenAI's and Anthropic's answer any name with the served model and name it in every "
+               "answer.")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -45,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="N",
                    help=f"port (default {DEFAULT_PORT}; 0 = any free port, printed at start)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' on /v1 (default ${API_KEY_ENV}, which keeps "
-                   "the key out of the process list)")
+                   help=f"require 'Authorization: Bearer KEY' on /v1, /api and /metrics (default ${API_KEY_ENV}, "
+                   "which keeps the key out of the process list)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let a web page or an app's webview from ORIGIN (e.g. http://localhost:5173) call the "
                    "API; repeatable, '*' for any. By default a request that carries an Origin header (every "
@@ -67,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE, metavar="N",
                    help="requests that may wait while --parallel ones are answered; beyond that, 503 "
                    f"(default {DEFAULT_QUEUE})")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="append every request's JSON body to FILE, one line each: a session of an agent to replay "
+                        "with `bench --kinds agent --agent-session FILE` (it holds your prompts: keep it private)")
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="do not serve GET /metrics (Prometheus text in llama.cpp's names; on by default, behind "
+                   "the same --api-key and Origin/Host checks as the API)")
 
 
 def is_loopback(host: str) -> bool:
@@ -100,10 +110,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def model_id(settings) -> str:
-    """The name /v1/models lists: the pair's name, or the target file's."""
+    """The name /v1/models and /api/tags list: the pair's name, or the target file's without .gguf."""
     from ..hub import _looks_like_path
     name = settings.target_name()
-    return Path(name).name if _looks_like_path(name) else name
+    if not _looks_like_path(name):
+        return name
+    file = Path(name).name
+    return file[:-len(".gguf")] if file.lower().endswith(".gguf") and len(file) > len(".gguf") else file
 
 
 def check_model(settings) -> None:
@@ -187,7 +200,7 @@ def cmd_serve(args) -> int:
     app = create_app(lambda: Engine.from_settings(settings, progress=ProgressBar()), model_id=name,
                      api_key=args.api_key,
                      cors_origins=args.cors_origin, hosts=hosts, queue_size=args.queue_size,
-                     context_overflow=args.context_overflow,
+                     context_overflow=args.context_overflow, metrics=args.metrics, record=args.record,
                      on_ready=on_ready, on_load_error=on_load_error)
     config = uvicorn.Config(app, log_level="info" if args.verbose else "warning", access_log=args.verbose,
                             lifespan="on", timeout_graceful_shutdown=5)

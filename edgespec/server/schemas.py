@@ -49,11 +49,17 @@ class ApiError(Exception):
 
     def body_for(self, path: str) -> dict:
         """The error in the shape of the API `path` belongs to."""
+        if is_ollama(path):  # Ollama's: {"error": "..."} (ollama.py)
+            return {"error": self.message}
         return self.anthropic_body() if is_anthropic(path) else self.body()
 
 
 def is_anthropic(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def is_ollama(path: str) -> bool:
+    return path == "/api" or path.startswith("/api/")
 
 
 def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence, Union
 
@@ -33,6 +34,13 @@ __all__ = ["Engine", "Stream", "ChatPrompt", "GenerationStats", "GenerationResul
 # kernels group rows: the prompt's KV comes out as in whole batches). SmolLM2 on 2 cores: a short
 # request beside a 3,000-token prompt took 9.9 s with 512-token pieces, 0.2 s alone.
 PIECE = 64
+# A prompt with more than LONG_PROMPT tokens still to evaluate steps aside for up to YIELD_SECONDS
+# while other generations run, then goes on by pieces beside them: an agent's side request (a
+# title, a check: a few hundred tokens in, a few dozen out) answers in seconds alone rather than in
+# tens of seconds between the pieces of a 20,000-token prompt, which waits about as long as that
+# request's own work either way.
+LONG_PROMPT = 2048
+YIELD_SECONDS = 20.0
 
 _rng = np.random.default_rng  # a generation's source of randomness (tests enumerate every draw through it)
 
@@ -429,9 +437,15 @@ class Engine(PromptBuilder):
             gens = [a.generation for a in self._active if a.generation is not None]
         # a long prompt goes in by pieces, one an _advance: n_batch tokens (llama.cpp's own cut), so a
         # request arriving meanwhile joins; PIECE beside running generations, whose rounds wait for it
-        piece = PIECE if any(g.started and not g.finished for g in gens) else self.target.n_batch
+        running = any(g.started and not g.finished for g in gens)
+        piece = PIECE if running else self.target.n_batch
+        now = time.perf_counter()
         for g in gens:
             if not g.started and not g.finished:
+                if running and self._steps_aside(g, now):
+                    continue
+                if not running:
+                    g.yielding_since = None  # it steps aside once a time others run, YIELD_SECONDS at most
                 busy = {o.seq for o in gens if o.seq >= 0 and o is not g}
                 try:
                     rounds.start(g, self.target, self.sequences, self._lane, busy, piece)
@@ -442,6 +456,17 @@ class Engine(PromptBuilder):
         finally:
             with self._round_done:
                 self._round_done.notify_all()
+
+    def _steps_aside(self, g: Generation, now: float) -> bool:
+        """Whether prompt `g`, which others' rounds would wait for, skips this round (LONG_PROMPT)."""
+        if g.cancel.is_set():
+            return False
+        done = min(self.sequences.canon.get(g.seq, 0), len(self.target.held(g.seq))) if g.seq >= 0 else 0
+        if len(g.tokens) - done <= LONG_PROMPT:
+            return False
+        if g.yielding_since is None:
+            g.yielding_since = now
+        return now - g.yielding_since < YIELD_SECONDS
 
     def _tokens(self, gen: Generation) -> Iterator[tuple[int, bool]]:
         """The generation's committed tokens, running rounds (for everyone) while it has none."""

@@ -111,6 +111,7 @@ class Generation:
     finished: bool = False
     error: Optional[BaseException] = None      # raised to its stream once the tokens before it are out
     emitted_all: bool = True        # every committed token was handed out (none cut by max_tokens)
+    yielding_since: Optional[float] = None     # a long prompt stepping aside for running generations
 
     @property
     def room(self) -> int:

@@ -331,6 +331,36 @@ def test_a_long_prompt_joining_a_running_answer_goes_in_by_pieces_between_its_ro
     assert r.stats.reused_prompt_tokens == 0 and r.stats.prompt_tokens == 42
 
 
+def test_a_long_prompt_steps_aside_while_a_short_answer_runs_then_goes_on(monkeypatch):
+    """A prompt with more than LONG_PROMPT tokens to evaluate waits while others run, up to
+    YIELD_SECONDS (an agent's side request answers alone first); past that it goes in by pieces."""
+    monkeypatch.setattr(engine_mod, "PIECE", 8)
+    monkeypatch.setattr(engine_mod, "LONG_PROMPT", 16)
+    p, q = _greedy_tables(12)
+    long_prompt = [1, 2, 3, 4, 5, 6, 7] * 6  # 42 tokens
+
+    def run(yield_seconds):
+        monkeypatch.setattr(engine_mod, "YIELD_SECONDS", yield_seconds)
+        target = FakeBackend(p, n_seq=2, n_batch=8)
+        target.canonical_piece = 8
+        engine = Engine(target, ModelDrafter(FakeBackend(q, n_seq=2), 8, 2))
+        running = engine.stream([0, 1], max_tokens=12)
+        next(running)
+        joining = engine.stream(long_prompt, max_tokens=5)
+        first_piece, got, g = None, 1, joining.generation
+        for _ in running:  # the short answer's tokens; when did the long prompt's first piece go in?
+            got += 1
+            if first_piece is None and g.seq >= 0 and engine.sequences.canon.get(g.seq, 0) > 0:
+                first_piece = got
+        return first_piece, joining.result(), engine
+    first_piece, r, _ = run(1000.0)
+    assert first_piece is None  # nothing of the long prompt went in while the short answer ran
+    assert r.tokens == Engine(FakeBackend(p)).generate(long_prompt, max_tokens=5).tokens
+    first_piece, r, _ = run(0.0)  # stepping aside for no time at all: pieces between its rounds
+    assert first_piece is not None and first_piece < 12
+    assert r.tokens == Engine(FakeBackend(p)).generate(long_prompt, max_tokens=5).tokens
+
+
 def test_micro_batches_follow_llama_cpp_split_of_separate_kv_streams():
     """llama.cpp (split_equal, sequential) puts consecutive sequence ids with equal token counts in
     one computation: one sequence's draft beside three plain ones is two, a gap in the ids another."""

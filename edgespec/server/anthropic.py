@@ -277,7 +277,13 @@ class Shape(_Shape):
         return [self._event({"type": "message_start", "message": message}), self._event({"type": "ping"})]
 
     def keepalive(self) -> list:
-        return [self._event({"type": "ping"})]
+        # an empty text delta, in a text block opened for it: Anthropic's SDKs drop `ping` events
+        # before their readers see them, and Claude Code's stream watchdog (300 s without an event)
+        # would give up on a long prompt and resend it unstreamed. An empty text block is one
+        # clients skip (Claude Code does), also before a tool_use block
+        out = [] if self.text_open else self._open_text()
+        return out + [self._event({"type": "content_block_delta", "index": self.index,
+                                   "delta": {"type": "text_delta", "text": ""}})]
 
     def _open_text(self) -> list:
         self.text_open = True

@@ -11,6 +11,7 @@ queue or is being answered, cancels its job at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -42,12 +43,19 @@ MAX_BODY_BYTES = 8 * 2**20
 # What a stream gets to end cleanly when the server stops; under the command's 5 s graceful
 # shutdown, and far more than the one round a cancelled generation needs.
 SHUTDOWN_GRACE_SECONDS = 2.0
+# A stream quiet this long (a long prompt being evaluated: 20,000 tokens take minutes on a CPU) gets
+# a keep-alive event in its API's own kind (Shape.keepalive: an empty text delta on /v1/messages,
+# `response.in_progress` on /v1/responses, a comment on OpenAI's chat): agents give up on a stream
+# without events (Claude Code and Codex after 300 s), and a comment line or a `ping` (which
+# Anthropic's SDKs drop) is no event to them
+KEEPALIVE_SECONDS = 10.0
 
 
 def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str] = None,
                cors_origins: Sequence[str] = (), hosts: Optional[HostRule] = None,
                queue_size: int = 8, context_overflow: str = "error", on_ready: Optional[Callable[[], None]] = None,
-               on_load_error: Optional[Callable[[BaseException], None]] = None, metrics: bool = True) -> FastAPI:
+               on_load_error: Optional[Callable[[BaseException], None]] = None, metrics: bool = True,
+               record: Optional[str] = None) -> FastAPI:
     """`load()` builds the Engine (it runs on the engine thread once the server listens);
     `on_ready` / `on_load_error` tell the caller how that went. `hosts`: the Host header values
     accepted (None: this machine's loopback names); `cors_origins`: the web origins allowed;
@@ -82,6 +90,7 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
 
     app = FastAPI(title="edgespec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = ServerMetrics(lambda: sched, model_id) if metrics else None  # fed by _answer
+    app.state.record = record  # a JSONL file every request body is appended to (serve --record)
     # as the Guard compares them, and as browsers send them: lower case, no trailing slash
     cors_origins = [o if o == "*" else o.strip().rstrip("/").lower() for o in cors_origins]
     if cors_origins:  # closed unless asked: a web page must not drive a local model by default
@@ -227,6 +236,10 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         prompt = await prepared(chat, overflow, api, reserve)
         shape = shape_for(prompt)
         shape.dropped_messages = prompt.dropped
+        room = _n_ctx(s) - len(prompt.tokens)
+        asked = chat.requested_tokens()
+        if asked is not None and asked > room:
+            shape.capped_max_tokens = room
         return await _answer(s, request, shape, chat.stream, lambda engine: engine.stream_prompt(prompt))
 
     @v1.post("/messages")
@@ -238,7 +251,10 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
     @v1.post("/messages/count_tokens")
     async def count_tokens(request: Request,
                            body: anthropic.CountRequest = Depends(_json(anthropic.CountRequest))):
-        prompt = await prepared(body.chat(), "error", anthropic, reserve=False)
+        try:
+            prompt = await prepared(body.chat(), "error", anthropic, reserve=False)
+        except _TooLong as exc:  # a count is what a client asks to learn whether it fits: no error
+            return {"input_tokens": exc.prompt_tokens}
         return {"input_tokens": len(prompt.tokens)}
 
     @v1.post("/responses")
@@ -246,7 +262,9 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
                               body: responses.ResponsesRequest = Depends(_json(responses.ResponsesRequest))):
         chat = body.chat()
         overflow = "drop-oldest" if body.truncation == "auto" else context_overflow
-        return await chat_like(request, chat, lambda prompt: responses.Shape(model_id, body), overflow, responses)
+        # agents ask for generous limits (Codex 32,000 tokens): capped to the room, as on /v1/messages
+        return await chat_like(request, chat, lambda prompt: responses.Shape(model_id, body), overflow, responses,
+                               reserve=False)
 
     app.include_router(v1)
     app.include_router(ollama.router(model_id, scheduler, authorized, chat_like, context_overflow))
@@ -287,11 +305,24 @@ def _json(model: type[BaseModel]):
                            f"got {kind or 'no Content-Type'!r} (curl: add -H 'Content-Type: application/json')",
                            code="unsupported_media_type")
         raw = await request.body()
+        record = getattr(request.app.state, "record", None)
+        if record is not None:
+            _record(record, request.url.path, raw)
         try:
             return model.model_validate_json(raw or b"{}")
         except ValidationError as exc:
             raise RequestValidationError(exc.errors(include_url=False)) from None
     return parse
+
+
+def _record(path: str, route: str, raw: bytes) -> None:
+    """serve --record: the request body, one JSON line (a session to replay: bench --kinds agent)."""
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"time": round(time.time(), 3), "path": route, "body": body}, ensure_ascii=False) + "\n")
 
 
 def _n_ctx(s: worker.Scheduler) -> int:
@@ -305,6 +336,11 @@ def _ready(s: worker.Scheduler) -> None:
                        code="model_loading", headers={"Retry-After": "5"})
     if s.state != "ready":
         raise ApiError(503, f"the model is not available ({s.state})", code="model_unavailable")
+
+
+class _TooLong(ApiError):
+    """A prompt longer than the context (its length in prompt_tokens)."""
+    prompt_tokens = None
 
 
 class _ClientGone(Exception):
@@ -347,7 +383,9 @@ def _failure(exc: BaseException, constraint_field: Optional[str] = None, prompt_
     if isinstance(exc, ConstraintError):  # a schema or grammar nothing satisfies: the field it came in
         return ApiError(400, str(exc), param=constraint_field)
     if isinstance(exc, ContextLengthError):  # OpenAI's code, which clients act on (trim, summarise)
-        return ApiError(400, str(exc), code="context_length_exceeded", param=prompt_field)
+        err = _TooLong(400, str(exc), code="context_length_exceeded", param=prompt_field)
+        err.prompt_tokens = getattr(exc, "prompt_tokens", None)
+        return err
     if isinstance(exc, UsageError):  # prompt too long for the context, bad token ids, template failure
         return ApiError(400, str(exc))
     if isinstance(exc, EdgespecError):
@@ -405,12 +443,25 @@ async def _answer(s: worker.Scheduler, request: Request, shape: Shape, stream: O
         stats, reason, calls = value
         if reason == "cancelled":
             raise _cancelled()
+        shape.call_errors = _call_errors(calls)
+        _told(shape, stats, reason)
         return JSONResponse(shape.whole(text.strip() if calls else text, stats, reason, calls))
     except _ClientGone:
         return Response(status_code=204)  # nobody reads it
     finally:
         if job is not None:
             job.cancel()  # no-op when it has ended; otherwise the handler itself was cancelled
+
+
+def _told(shape: Shape, stats, reason: str) -> None:
+    """One line a request, at the end (serve --verbose shows them): where its time went."""
+    log.info("%s: %d prompt tokens (%d reused), %.1f s prompt; %d tokens, %.1f s; %s; %d drafted, %d accepted",
+             type(shape).__module__.rsplit(".", 1)[-1], stats.prompt_tokens, stats.reused_prompt_tokens,
+             stats.prompt_seconds, stats.generated, stats.decode_seconds, reason, stats.drafted, stats.accepted)
+
+
+def _call_errors(calls) -> list:
+    return [{"id": c.id, "name": c.name, "error": c.error} for c in calls if getattr(c, "error", None)]
 
 
 async def _cancel_when(event: anyio.Event, job: worker.Job) -> None:
@@ -421,18 +472,26 @@ async def _cancel_when(event: anyio.Event, job: worker.Job) -> None:
 async def _events(job: worker.Job, shape: Shape, watcher: asyncio.Future):
     """SSE items for one streamed answer, in `shape`'s API; sse-starlette closes this generator
     (and so cancels the job) as soon as the client disconnects."""
+    nxt = None
     try:
         for item in shape.opening():
             yield item
         while True:
-            kind, value = await job.next()
+            nxt = asyncio.ensure_future(job.next())
+            # waited on, never cancelled by the timeout: an event that comes with it is not lost
+            while not (await asyncio.wait({nxt}, timeout=KEEPALIVE_SECONDS))[0]:
+                for item in shape.keepalive():
+                    yield item
+            kind, value = nxt.result()
             if kind == worker.TEXT:
                 for item in shape.text(value):
                     yield item
                 continue
             if kind == worker.END:
                 stats, reason, calls = value
+                _told(shape, stats, reason)
                 if reason != "cancelled":
+                    shape.call_errors = _call_errors(calls)
                     for item in shape.closing(stats, reason, calls):
                         yield item
                     return
@@ -443,6 +502,8 @@ async def _events(job: worker.Job, shape: Shape, watcher: asyncio.Future):
                 yield item
             return
     finally:
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
         watcher.cancel()
         job.cancel()
 

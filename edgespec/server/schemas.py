@@ -360,6 +360,8 @@ class Shape:
 
     prompt_field = "messages"   # the request field a context error names
     dropped_messages = 0        # --context-overflow drop-oldest: turns left out of the prompt
+    call_errors: list = []      # [{id, name, error}] of the answer's tool calls (tools.ToolSpec.check)
+    capped_max_tokens: Optional[int] = None  # the limit asked for was more than the context's room: this
 
     @property
     def clock(self) -> dict:
@@ -374,6 +376,10 @@ class Shape:
     def opening(self) -> list:
         return []
 
+    def keepalive(self) -> list:
+        """What a quiet stream sends to show it is alive (app.KEEPALIVE_SECONDS)."""
+        return [{"comment": "keep-alive"}]
+
     def text(self, piece: str) -> list:
         raise NotImplementedError
 
@@ -387,6 +393,10 @@ class Shape:
         out = speculation(stats, reason)
         if self.dropped_messages:
             out["dropped_messages"] = self.dropped_messages
+        if self.call_errors:  # calls whose arguments break a schema the grammar could not hold in full
+            out["tool_call_errors"] = self.call_errors
+        if self.capped_max_tokens is not None:  # the answer's limit, cut to the room left in the context
+            out["max_tokens_capped_to"] = self.capped_max_tokens
         c = self.clock
         if {"t0", "queued", "started"} <= c.keys():
             # where the request's time went at the server: checking, templating and tokenizing it

@@ -204,6 +204,9 @@ def _check_schema(schema: dict, where: str) -> str:
         return "strict"
     except UsageError as exc:
         first = str(exc)
+    invalid = _not_a_schema(schema)
+    if invalid is not None:  # not JSON Schema at all: the client's mistake, said as such
+        raise UsageError(f"{where} is not a usable JSON Schema: {invalid}")
     try:
         Constraint.build(json_schema={**schema, "x-guidance": {"lenient": True}})
         log.info("%s: compiled leniently (%s); its calls are checked after generation", where, first)
@@ -211,6 +214,22 @@ def _check_schema(schema: dict, where: str) -> str:
     except UsageError as exc:
         log.info("%s: not compiled (%s); any JSON object is generated, then checked", where, exc)
         return "none"
+
+
+def _not_a_schema(schema: dict) -> Optional[str]:
+    """What makes `schema` invalid against its JSON Schema metaschema (jsonschema), or None."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        return f"{where + ': ' if where else ''}{exc.message}"[:300]
+    except (RecursionError, TypeError, ValueError):
+        return None
+    return None
 
 
 def _schema_error(schema: dict, value) -> Optional[str]:
@@ -305,10 +324,30 @@ class Hermes(Format):
             return self.CALL.sub("", text).strip(), calls
         # a call written without its markup, the whole answer (small models do that): only when it
         # names one of the request's functions
-        bare = _call(text.strip()) if spec is not None and spec.choice != "none" else None
-        if bare is not None and bare.name in {t.name for t in spec.tools}:
-            return "", [bare]
+        if spec is not None and spec.choice != "none":
+            fenced = FENCED.fullmatch(text.strip())
+            bare = _call(fenced.group(1) if fenced else text.strip())
+            if bare is not None and bare.name in {t.name for t in spec.tools}:
+                return "", [bare]
         return text, []
+
+
+# a call written as a fenced JSON block (Qwen2.5-Coder does that when a call is not forced)
+FENCED = re.compile(r"```(?:json)?\s*(\{.*\})\s*```", re.S)
+
+
+def _opens_bare(head: str) -> Optional[bool]:
+    """Whether an answer that begins with `head` may be a call without markup: "{" or a fenced JSON
+    block; None while "```" and what follows cannot tell yet."""
+    if head.startswith("{"):
+        return True
+    if not head.startswith("```"):
+        return False
+    rest = head[3:]
+    if "json".startswith(rest) or (rest.startswith("json") and not rest[4:].strip()) or not rest.strip():
+        return None
+    body = rest[4:] if rest.startswith("json") else rest
+    return body.lstrip().startswith("{")
 
 
 def _call(raw: str) -> Optional[ToolCall]:
@@ -534,8 +573,10 @@ class StreamParser:
                 out.append(self.text[self.shown:opened])
                 self.shown, self.inside, self.opened = opened + len(Hermes.OPEN), True, opened
                 continue
-            if self.bare is None and self.text.strip():  # decided by the answer's first character
-                self.bare = self.text.lstrip().startswith("{")
+            if self.bare is None and self.text.strip():  # decided by how the answer opens
+                self.bare = _opens_bare(self.text.lstrip())
+                if self.bare is None:
+                    return "".join(out)  # "```" or "```js": not known yet
             if self.spec is not None and self.bare:
                 return "".join(out)  # may be a call written without its markup: known at the end
             # hold back a tail that could be the start of the marker

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from edgespec.chat import fold_system, render
+from edgespec.errors import UsageError
 from edgespec.server import anthropic, responses
 from edgespec.server.schemas import ApiError
 from edgespec.tools import ToolCall, ToolSpec
@@ -58,10 +59,16 @@ def test_a_call_to_a_leniently_compiled_tool_is_checked_after_generation():
     checked = spec.check([good, bad, ToolCall("c3", "ls", {"x": 1})])
     assert checked[0].error is None and checked[2].error is None
     assert checked[1].error is not None and "env" in checked[1].error and "path" in checked[1].error
-    # a schema that does not compile even leniently: any object is generated, then checked
-    broken = {"type": "object", "properties": {"n": {"type": "integer", "minimum": "zero"}}}
+    # a schema that does not compile even leniently (a look-ahead in a pattern): any object is
+    # generated, then checked
+    broken = {"type": "object", "properties": {"n": {"type": "string", "pattern": "^[a-z]+(?!x)$"}}}
     spec = ToolSpec.build([{"type": "function", "function": {"name": "f", "parameters": broken}}])
     assert spec.tools[0].enforced == "none" and spec.tools[0].grammar_parameters() == {"type": "object"}
+    assert spec.check([ToolCall("c4", "f", {"n": 5})])[0].error == "n: 5 is not of type 'string'"
+    # not JSON Schema at all: refused, by what is wrong
+    with pytest.raises(UsageError, match=r"tools\[0\].function.parameters is not a usable JSON Schema: .*minimum"):
+        ToolSpec.build([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": "zero"}}}}}])
 
 
 def test_server_tools_are_passed_over_and_client_tools_kept():

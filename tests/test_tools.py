@@ -315,3 +315,26 @@ def test_drop_oldest_drops_a_call_with_its_results():
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "9 8 7"}]
     tokens, dropped = eng.conversation_tokens(msgs, room=4, overflow="drop-oldest")
     assert dropped >= 3 and len(tokens) + 4 <= 24  # the user turn, then the call with its result
+
+
+def test_a_call_in_a_fenced_json_block_is_a_call_and_a_code_block_streams():
+    """Qwen2.5-Coder writes a call it is not forced to make as a ```json block: a call when it names
+    one of the tools; an answer that opens another code block streams as it comes."""
+    from edgespec.tools import Hermes, StreamParser, ToolSpec
+    spec = ToolSpec.build([{"type": "function", "function": {"name": "Write", "parameters": {"type": "object"}}}])
+    fenced = '```json\n{"name": "Write", "arguments": {"file_path": "a.py", "content": "x = 1"}}\n```'
+    text, calls = Hermes().parse(fenced, spec)
+    assert text == "" and [(c.name, c.arguments) for c in calls] == [
+        ("Write", {"file_path": "a.py", "content": "x = 1"})]
+    other = '```json\n{"name": "Read", "arguments": {}}\n```'
+    assert Hermes().parse(other, spec) == (other, [])  # names no tool: text
+    sp = StreamParser(Hermes(), spec)
+    shown = "".join(sp.feed(fenced[i:i + 3]) for i in range(0, len(fenced), 3))
+    rest, calls = sp.finish()
+    assert shown == "" and rest == "" and calls[0].name == "Write"
+    code = "```python\nprint('hi')\n```\nThat prints hi."
+    sp = StreamParser(Hermes(), spec)
+    shown = "".join(sp.feed(code[i:i + 3]) for i in range(0, len(code), 3))
+    assert shown.startswith("```python\nprint")  # not held back to the end
+    rest, calls = sp.finish()
+    assert shown + rest == code and calls == []

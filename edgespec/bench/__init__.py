@@ -14,6 +14,10 @@ Writes JSON and prints a table.
 JSON answers under a schema with auto, none and llama-cpp-python's grammar path against plain
 unconstrained decoding; validity, forced / copied / sampled shares and the hindsight ceiling.
 
+`--kinds agent` replays a recorded agent session (`serve --record FILE`; `--agent-session FILE`)
+through `serve` with plain decoding and auto, and llama-server with `--peer llama-server`
+(`bench/agent.py`): each request's time to first token, decode rate, and the session's total.
+
 `--parallel-requests [N]` (default 4) runs the several-requests benchmark instead
 (`bench/parallel.py`): N prompts (one per kind unless --limit) served one after another and then all
 at once on one engine with parallel=N, auto and plain decoding, answers compared, aggregate tokens/s
@@ -42,6 +46,7 @@ from .workloads import default_workloads, load_workloads
 MODES = ("auto", "auto-bit-exact", "model", "ngram", "lookup-peer")
 STRUCTURED = "structured"  # the kind that runs bench/structured.py
 STRUCTURED_TOKENS = 512    # its default answer budget: a JSON answer cut short is invalid
+AGENT = "agent"            # the kind that replays a recorded agent session (bench/agent.py)
 
 
 @dataclass(frozen=True)
@@ -58,14 +63,28 @@ class Options:
     parallel_requests: Optional[int] = None  # N: the several-requests benchmark (bench/parallel.py)
     peer: Optional[str] = None               # "llama-server": the peer benchmark (bench/llama_server.py)
     llama_server: Optional[str] = None       # its binary (None: found or built)
+    agent_session: Optional[str] = None      # --kinds agent: the `serve --record` file (None: the packaged one)
 
     @property
     def structured(self) -> bool:
         return STRUCTURED in (self.kinds or "").split(",")
 
+    @property
+    def agent(self) -> bool:
+        return AGENT in (self.kinds or "").split(",")
+
     def validate(self) -> "Options":
         if self.bench_tokens < 1 or self.trials < 1:
             raise UsageError("--max-tokens and --trials must be >= 1")
+        if self.agent:
+            if self.kinds != AGENT or self.structured or self.sweep or self.acceptance \
+                    or self.parallel_requests is not None or self.modes != ("auto",):
+                raise UsageError(f"--kinds {AGENT} runs on its own (a recorded session, replayed through "
+                                 "edgespec none and auto, and llama-server with --peer): leave out other kinds, "
+                                 "--modes, --sweep, --acceptance and --parallel-requests")
+            return self
+        if self.agent_session is not None:
+            raise UsageError(f"--agent-session goes with --kinds {AGENT}")
         if self.limit is not None and self.limit < 1:
             raise UsageError("--limit must be >= 1")
         if self.structured and self.kinds != STRUCTURED:
@@ -122,6 +141,9 @@ def add_arguments(p) -> None:
                    help="instead: llama.cpp's llama-server (plain, draft-simple, ngram-mod) beside edgespec serve "
                    "(none, auto) on the same GGUFs through the same endpoint, interleaved; --trials defaults to 2 "
                    "(bench/llama_server.py)")
+    p.add_argument("--agent-session", default=None, metavar="FILE",
+                   help=f"with --kinds {AGENT}: the session to replay, as `serve --record FILE` wrote it "
+                   "(default: the one shipped in workloads/agent-session.jsonl)")
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="with --peer: the llama-server binary (default $LLAMA_SERVER, else built once from the "
                    "llama.cpp that llama-cpp-python vendors, ~12 minutes on 2 cores)")
@@ -141,7 +163,8 @@ def options_from_args(args) -> Options:
                    trials=args.trials, modes=tuple(m for m in modes.split(",") if m), sweep=sweep,
                    acceptance=args.acceptance, out=args.out,
                    parallel_requests=getattr(args, "parallel_requests", None), peer=getattr(args, "peer", None),
-                   llama_server=getattr(args, "llama_server", None)).validate()
+                   llama_server=getattr(args, "llama_server", None),
+                   agent_session=getattr(args, "agent_session", None)).validate()
 
 
 def _structured_modes() -> tuple[str, ...]:
@@ -236,6 +259,9 @@ def main(settings, opts: Options, progress=None) -> int:
     if opts.parallel_requests is not None:
         from . import parallel
         return parallel.main(settings, opts, progress)
+    if opts.agent:
+        from . import agent
+        return agent.main(settings, opts, opts.agent_session)
     if opts.peer is not None:
         from . import llama_server
         return llama_server.main(settings, opts, progress, opts.llama_server)

@@ -1,0 +1,45 @@
+"""`bench --kinds agent`: a recorded session (as `serve --record` writes it) replayed through real
+servers (SmolLM2), each request's first-token time, decode rate and the prompt cache's share."""
+from __future__ import annotations
+
+import json
+
+from edgespec.cli import main
+
+SYSTEM = "You are a terse coding agent. " * 40
+TURN1 = [{"role": "user", "content": "Name a sorting algorithm."}]
+TURN2 = TURN1 + [{"role": "assistant", "content": "Merge sort."}, {"role": "user", "content": "Its complexity?"}]
+
+
+def test_a_recorded_session_replays_through_plain_and_auto(smol, tmp_path, capsys):
+    session = tmp_path / "session.jsonl"
+    lines = [{"time": 1.0, "path": "/v1/messages?beta=true", "body": {"model": "m", "max_tokens": 8, "system": SYSTEM,
+                                                                     "messages": TURN1}},
+             {"time": 2.0, "path": "/health", "body": {}},  # not a generation: left out
+             {"time": 3.0, "path": "/v1/messages", "body": {"model": "m", "max_tokens": 8, "system": SYSTEM,
+                                                            "messages": TURN2}},
+             {"time": 4.0, "path": "/v1/responses", "body": {"model": "m", "max_output_tokens": 8,
+                                                             "instructions": SYSTEM, "input": "Say hi."}}]
+    session.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "agent.json"
+    assert main(["bench", "--kinds", "agent", "--agent-session", str(session), "--target", str(smol),
+                 "--ctx", "1024", "--threads", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] == 3 and set(report["servers"]) == {"edgespec none", "edgespec auto"}
+    for turns in report["servers"].values():
+        assert [t["output_tokens"] > 0 for t in turns] == [True] * 3
+        assert all(0 < t["ttft"] <= t["total"] for t in turns)
+        # the second turn's prompt begins with the first's: the prompt cache kept it
+        assert turns[1]["cached"] >= 128 and turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"]
+    table = capsys.readouterr().out
+    assert "edgespec auto" in table and "vs plain" in table
+
+
+def test_a_session_file_that_is_not_one_is_a_usage_error(smol, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert main(["bench", "--kinds", "agent", "--agent-session", str(bad), "--target", str(smol)]) == 2
+    assert "bad.jsonl:1: not a JSON line" in capsys.readouterr().err
+    assert main(["bench", "--kinds", "agent", "--agent-session", str(tmp_path / "none.jsonl"),
+                 "--target", str(smol)]) == 2
+    assert "record one with `serve --record FILE`" in capsys.readouterr().err

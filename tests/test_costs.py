@@ -341,3 +341,16 @@ def test_a_generation_tries_its_draft_model_where_a_good_one_would_repay_its_cat
     p = _reproducible(CPU)
     p.start()
     assert all(p.choose(None, has_model=True, room=500, model_lag=100).drafter == "none" for _ in range(20))
+    # an agent's request: 5,000 tokens of context to catch up on, and room for 9,000 more because
+    # it asks for 32,000: the catch-up is weighed against what an answer runs (ANSWER_HORIZON), not
+    # the room, and not made (the room alone would have said yes)
+    p = _reproducible(dear)
+    p.start()
+    assert p.choose(None, has_model=True, room=9000, model_lag=5000).drafter == "none"
+    import edgespec.policy as policy_mod
+    horizon, policy_mod.ANSWER_HORIZON = policy_mod.ANSWER_HORIZON, 10**9
+    try:
+        p.start()
+        assert p.choose(None, has_model=True, room=9000, model_lag=5000).drafter == "model"
+    finally:
+        policy_mod.ANSWER_HORIZON = horizon

@@ -54,6 +54,7 @@ class ToolCall:
     name: str
     arguments: dict
     error: Optional[str] = None  # the arguments break the tool's schema (one the grammar could not hold in full)
+    free: bool = False           # written in free text (a bare or fenced call), not under the call grammar
 
     def openai(self) -> dict:
         return {"id": self.id, "type": "function",
@@ -136,14 +137,15 @@ class ToolSpec:
         return any(t.enforced != "strict" for t in self.tools)
 
     def check(self, calls: list["ToolCall"]) -> list["ToolCall"]:
-        """`calls`, each whose tool's schema the grammar did not hold in full checked against it
+        """`calls`, each whose tool's schema the grammar did not hold in full (or that was written in
+        free text) checked against it
         (jsonschema): a call that breaks it carries the first error in `error` (the client still
         gets the call: agents answer such a call with an error result, and the model retries)."""
         tools = {t.name: t for t in self.tools}
         out = []
         for c in calls:
             tool = tools.get(c.name)
-            if tool is not None and tool.enforced != "strict":
+            if tool is not None and (tool.enforced != "strict" or c.free):
                 why = _schema_error(tool.parameters, c.arguments)
                 if why is not None:
                     log.info("tool call %s: arguments break its schema: %s", c.name, why)
@@ -328,7 +330,7 @@ class Hermes(Format):
             fenced = FENCED.fullmatch(text.strip())
             bare = _call(fenced.group(1) if fenced else text.strip())
             if bare is not None and bare.name in {t.name for t in spec.tools}:
-                return "", [bare]
+                return "", [replace(bare, free=True)]  # no grammar held it: checked (ToolSpec.check)
         return text, []
 
 

@@ -327,6 +327,13 @@ def test_a_call_in_a_fenced_json_block_is_a_call_and_a_code_block_streams():
     assert text == "" and [(c.name, c.arguments) for c in calls] == [
         ("Write", {"file_path": "a.py", "content": "x = 1"})]
     other = '```json\n{"name": "Read", "arguments": {}}\n```'
+    # written in free text, no grammar held it: checked against the tool's schema
+    strict = ToolSpec.build([{"type": "function", "function": {"name": "Write", "parameters": {
+        "type": "object", "properties": {"file_path": {"type": "string"}}, "required": ["file_path"]}}}])
+    sp = StreamParser(Hermes(), strict)
+    sp.feed('```json\n{"name": "Write", "arguments": {}}\n```')
+    _, (call,) = sp.finish()
+    assert call.free and call.error == "arguments: 'file_path' is a required property"
     assert Hermes().parse(other, spec) == (other, [])  # names no tool: text
     sp = StreamParser(Hermes(), spec)
     shown = "".join(sp.feed(fenced[i:i + 3]) for i in range(0, len(fenced), 3))

@@ -7,7 +7,7 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-SHIPPED = ["models.toml", "workloads/prompts.jsonl", "workloads/structured.jsonl"]
+SHIPPED = ["models.toml", "workloads/prompts.jsonl", "workloads/structured.jsonl", "workloads/agent-session.jsonl"]
 
 
 class BuildPyWithData(build_py):

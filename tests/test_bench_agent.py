@@ -43,3 +43,16 @@ def test_a_session_file_that_is_not_one_is_a_usage_error(smol, tmp_path, capsys)
     assert main(["bench", "--kinds", "agent", "--agent-session", str(tmp_path / "none.jsonl"),
                  "--target", str(smol)]) == 2
     assert "record one with `serve --record FILE`" in capsys.readouterr().err
+
+
+def test_the_shipped_session_is_codex_at_work():
+    from edgespec.bench.agent import load_session
+    from edgespec.registry import _shipped
+    from edgespec.server.responses import ResponsesRequest
+    session = load_session(_shipped("workloads/agent-session.jsonl"))
+    assert len(session) == 7 and {t["path"] for t in session} == {"/v1/responses"}
+    for turn in session:  # every request of it is one this server takes
+        ResponsesRequest.model_validate(turn["body"]).chat()
+    # a tool result goes back in a later turn (a file was written by a shell command)
+    outputs = [i for t in session for i in t["body"]["input"] if i.get("type") == "function_call_output"]
+    assert outputs

@@ -267,3 +267,20 @@ def test_responses_merges_instructions_and_developer_items_and_reports_cache_wri
     ref = solo([{"role": "system", "content": "You are terse.\n\nAnswer in English."}, *ASK], max_tokens=16)
     assert r.output_text == ref.text
     assert r.usage.input_tokens_details.cache_write_tokens == 0
+
+
+def test_what_agents_send_now_is_answered(claude, oai, solo, server):
+    # a system message inside the conversation (Claude Code's mid-conversation-system beta), read in place
+    convo = [ASK[0], {"role": "system", "content": "Answer in one sentence."}]
+    msg = claude.messages.create(model="local", max_tokens=12, messages=[
+        ASK[0], {"role": "system", "content": "Answer in one sentence."},
+        {"role": "user", "content": "Go on."}], extra_body=T0)
+    ref = solo([*convo, {"role": "user", "content": "Go on."}], max_tokens=12)
+    assert msg.content[0].text == ref.text
+    # a generous limit on /v1/responses is capped to the room in the context, and says so
+    r = oai.responses.create(model="local", input="Count to three.", max_output_tokens=32000, temperature=0)
+    assert r.status in ("completed", "incomplete") and r.output_text
+    assert r.model_extra["edgespec"]["max_tokens_capped_to"] == N_CTX - r.usage.input_tokens
+    # count_tokens counts a prompt longer than the context rather than refusing it
+    long = [{"role": "user", "content": "word " * 3000}]
+    assert claude.messages.count_tokens(model="local", messages=long).input_tokens > N_CTX

@@ -196,8 +196,8 @@ def format_table(summary: dict) -> str:
 
 
 def main(settings, opts, session_file: Optional[str]) -> int:
-    path = Path(session_file) if session_file else Path(__file__).resolve().parent.parent.parent / \
-        "workloads" / "agent-session.jsonl"
+    from ..registry import _shipped
+    path = Path(session_file) if session_file else _shipped("workloads/agent-session.jsonl")
     session = load_session(path)
     report = run(settings, session, Path(opts.out), peer=opts.peer == "llama-server", llama_server=opts.llama_server)
     print(format_table(report["summary"]))

@@ -99,7 +99,11 @@ class ResponsesRequest(_Body):
         if self._functions is not None:
             return self._functions
         found: list[tuple[Optional[str], dict, str]] = []
-        for i, t in enumerate(self.tools or ()):
+        # Codex also offers tools inside the input, in an `additional_tools` item: the same as these
+        extra = [t for item in (self.input if isinstance(self.input, list) else ())
+                 if isinstance(item, dict) and item.get("type") == "additional_tools"
+                 for t in (item.get("tools") if isinstance(item.get("tools"), list) else ())]
+        for i, t in enumerate([*(self.tools or ()), *extra]):
             if not isinstance(t, dict):
                 raise ApiError(400, f"tools.{i}: a tool is an object with a 'type'", param="tools")
             if t.get("type") == "function":
@@ -177,7 +181,7 @@ class ResponsesRequest(_Body):
                     raise ApiError(400, f"{where}: a function_call_output item names its call in call_id",
                                    param="input")
                 out.append({"role": "tool", "tool_call_id": cid, "content": _content(output, f"{where}.output")})
-            elif kind in PASSED_ITEMS:
+            elif kind in PASSED_ITEMS or kind == "additional_tools":  # its tools: functions()
                 continue
             else:
                 raise ApiError(400, f"{where}: items of type {kind!r} are not served here (message, function_call "

@@ -54,17 +54,24 @@ def llama_cpp_seconds(target: str, tokens: list[int], ctx: int, threads: int | N
 
 
 def first_event_seconds(url: str, body: dict, label: str, out: dict) -> None:
-    """Time from sending to the first content event of a streamed Messages request."""
+    """Time from sending to the first content of a streamed Messages request (not a keep-alive's
+    empty text delta), and the server's own prompt seconds."""
     t0 = time.perf_counter()
     first = None
     with httpx.stream("POST", url + "/v1/messages", json=dict(body, stream=True), timeout=3600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if first is None and line.startswith("event: content_block_"):
+            if not line.startswith("data:"):
+                continue
+            ev = json.loads(line[5:])
+            delta = ev.get("delta") or {}
+            if first is None and (delta.get("text") or delta.get("partial_json")
+                                  or (ev.get("content_block") or {}).get("type") == "tool_use"):
                 first = time.perf_counter() - t0
-            if line.startswith("data:") and '"message_delta"' in line:
-                out[label + "_usage"] = json.loads(line[5:])["usage"]
-    out[label] = first
+            if ev.get("type") == "message_delta":
+                out[label + "_usage"] = ev["usage"]
+                out[label + "_prompt_seconds"] = ev["edgespec"]["prompt_seconds"]
+    out[label] = first if first is not None else time.perf_counter() - t0
     out[label + "_total"] = time.perf_counter() - t0
 
 

@@ -206,6 +206,8 @@ def _check_schema(schema: dict, where: str) -> str:
         return "strict"
     except UsageError as exc:
         first = str(exc)
+    if "nests too deeply" in first:  # hundreds of levels: not a schema to generate under, or to check with
+        raise UsageError(f"{where} is not a usable JSON Schema: {first}")
     invalid = _not_a_schema(schema)
     if invalid is not None:  # not JSON Schema at all: the client's mistake, said as such
         raise UsageError(f"{where} is not a usable JSON Schema: {invalid}")

@@ -117,13 +117,15 @@ def _usage(ev: dict) -> Optional[dict]:
 
 
 def commands(target: Path, draft: Optional[Path], n_ctx: int, threads: int, binary: Optional[Path]) -> dict:
+    # each as a user runs it: its own defaults for parallel sequences and the prompt cache (an agent's
+    # side requests take a sequence of their own rather than evict the main conversation)
     ours = [sys.executable, "-m", "edgespec", "serve", "--target", str(target), "--ctx", str(n_ctx),
-            "--threads", str(threads), "--parallel", "1", "--host", "127.0.0.1", "--cache-ram", "0"]
+            "--threads", str(threads), "--host", "127.0.0.1"]
     if draft is not None:
         ours += ["--draft", str(draft)]
     cmds = {"edgespec none": ours + ["--drafter", "none"], "edgespec auto": ours + ["--drafter", "auto"]}
     if binary is not None:
-        theirs = [str(binary), "-m", str(target), "-c", str(n_ctx), "-t", str(threads), "-np", "1",
+        theirs = [str(binary), "-m", str(target), "-c", str(n_ctx), "-t", str(threads),
                   "--host", "127.0.0.1", "--no-webui", "--jinja"]
         cmds["llama-server ngram-mod"] = theirs + ["--spec-type", "ngram-mod"]
         if draft is not None:

@@ -155,3 +155,14 @@ def test_a_system_message_mid_conversation_is_folded_where_the_template_refuses_
     takes_them = strict.replace("and not loop.first", "and false")
     assert render(takes_them, convo) == ("<system>S</system><user>U1</user><system>Agents: a, b</system>"
                                          "<user>U2</user><assistant>")
+
+
+def test_a_forced_tool_choice_with_every_tool_passed_over_is_refused_not_dropped():
+    hosted = [{"type": "web_search_20250305", "name": "web_search"}]
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": hosted}
+    with pytest.raises(ApiError, match="tool_choice needs tools"):
+        messages(dict(body, tool_choice={"type": "any"})).chat().engine_request(1024)
+    assert messages(dict(body, tool_choice={"type": "auto"})).chat().tools is None
+    with pytest.raises(ApiError, match="tool_choice needs tools"):
+        responses.ResponsesRequest.model_validate({"input": "hi", "tools": [{"type": "web_search"}],
+                                                   "tool_choice": "required"}).chat().engine_request(1024)

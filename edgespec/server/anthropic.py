@@ -86,7 +86,8 @@ class MessagesRequest(_Body):
                                param="output_config")
             schema = fmt["schema"]
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
-        if self.tool_choice is not None and (tools or self.tool_choice.get("type") in ("auto", "none")):
+        # with every tool passed over, auto / none mean no call; any / tool stay (and are refused: no tools)
+        if self.tool_choice is not None and (tools or self.tool_choice.get("type") not in ("auto", "none")):
             choice, parallel = _choice(self.tool_choice)
             if choice is not None:
                 body["tool_choice"] = choice

@@ -83,7 +83,7 @@ class ResponsesRequest(_Body):
         tools = self.functions()
         if tools:
             body["tools"] = tools
-        if self.tool_choice is not None and (tools or self.tool_choice in ("auto", "none")):
+        if self.tool_choice is not None and (tools or self.tool_choice not in ("auto", "none")):
             body["tool_choice"] = _choice(self.tool_choice, self._flat)
         fmt = _format(self.text)
         if fmt is not None:

@@ -84,7 +84,7 @@ class ResponsesRequest(_Body):
         if tools:
             body["tools"] = tools
         if self.tool_choice is not None and (tools or self.tool_choice not in ("auto", "none")):
-            body["tool_choice"] = _choice(self.tool_choice, self._flat)
+            body["tool_choice"] = _choice(self.tool_choice, self.flat_name)
         fmt = _format(self.text)
         if fmt is not None:
             body["response_format"] = fmt
@@ -128,6 +128,10 @@ class ResponsesRequest(_Body):
         self._functions = out
         return out
 
+    def flat_name(self, namespace: Optional[str], name: str) -> str:
+        """The model's name of a function the client names `name` in `namespace` (call_name's inverse)."""
+        return next((flat for flat, ns_name in self._flat.items() if ns_name == (namespace, name)), name)
+
     def call_name(self, flat: str) -> tuple[Optional[str], str]:
         """(namespace, name) of a function as the client named it."""
         self.functions()
@@ -140,7 +144,6 @@ class ResponsesRequest(_Body):
                            param="input")
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
         self.functions()
-        by_client = {v: k for k, v in self._flat.items()}
         call_ids: set[str] = set()
         if not items:
             raise ApiError(400, "input: give the prompt as a string or a non-empty list of items", param="input")
@@ -168,7 +171,7 @@ class ResponsesRequest(_Body):
                                    "call has its own call_id", param="input")
                 call_ids.add(cid)
                 ns = item.get("namespace")
-                name = by_client.get((ns if isinstance(ns, str) else None, name), name)
+                name = self.flat_name(ns if isinstance(ns, str) else None, name)
                 call = {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
                 last = out[-1] if out else None
                 if last is not None and last["role"] == "assistant":  # the same turn: its text and calls
@@ -216,13 +219,12 @@ def _tool(where: str, t: dict, name: str) -> dict:
     return {"type": "function", "function": fn}
 
 
-def _choice(c, flat: dict):
+def _choice(c, flat_name):
     if isinstance(c, str):
         return c
     if isinstance(c, dict) and c.get("type") == "function" and isinstance(c.get("name"), str):
-        by_client = {v: k for k, v in flat.items()}
         ns = c.get("namespace") if isinstance(c.get("namespace"), str) else None
-        return {"type": "function", "function": {"name": by_client.get((ns, c["name"]), c["name"])}}
+        return {"type": "function", "function": {"name": flat_name(ns, c["name"])}}
     raise ApiError(400, "tool_choice must be auto, none, required or {'type': 'function', 'name': ...}",
                    param="tool_choice")
 

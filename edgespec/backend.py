@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import queue
 import threading
@@ -21,6 +22,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .errors import Aborted, BackendError, ModelFileError
+
+log = logging.getLogger("edgespec")
 
 _log_callback = None  # keep the ctypes callback alive for the life of the process
 _backend_ready = False
@@ -49,7 +52,8 @@ def set_verbose(verbose: bool) -> None:
 
 
 class _Compute:
-    """One thread for every llama.cpp graph computation of the process (decodes, model loads).
+    """One thread for every llama.cpp graph computation of the process (decodes, model loads),
+    and the thread that runs every engine's rounds (`post`: engine.Engine's loop).
 
     llama-cpp-python's builds run ggml's CPU graphs on OpenMP, and libgomp keeps a team of
     worker threads per thread that started a parallel region. Once there are more of them
@@ -70,6 +74,12 @@ class _Compute:
     def _main(self) -> None:
         while True:
             fn, args, box, done = self._jobs.get()
+            if box is None:  # posted: nobody waits for it (an engine's round, engine.Engine._loop)
+                try:
+                    fn(*args)
+                except BaseException:
+                    log.exception("a job posted to the llama.cpp thread failed")
+                continue
             try:
                 box.append((True, fn(*args)))
             except BaseException as exc:  # handed to the caller
@@ -77,14 +87,26 @@ class _Compute:
             finally:
                 done.set()
 
-    def call(self, fn, *args, interrupt: Optional[Callable[[], None]] = None):
-        t = self._thread
-        if t is not None and threading.current_thread() is t:
-            return fn(*args)
+    def _ensure(self) -> None:
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
                 self._thread = threading.Thread(target=self._main, name="edgespec-llama", daemon=True)
                 self._thread.start()
+
+    def here(self) -> bool:
+        """Whether the calling thread is the llama.cpp thread."""
+        return threading.current_thread() is self._thread
+
+    def post(self, fn, *args) -> None:
+        """Run `fn(*args)` on this thread in its turn, without waiting for it (its errors are logged)."""
+        self._ensure()
+        self._jobs.put((fn, args, None, None))
+
+    def call(self, fn, *args, interrupt: Optional[Callable[[], None]] = None):
+        t = self._thread
+        if t is not None and threading.current_thread() is t:
+            return fn(*args)
+        self._ensure()
         box: list = []
         done = threading.Event()
         self._jobs.put((fn, args, box, done))

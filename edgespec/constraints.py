@@ -240,9 +240,3 @@ class Guide:
         return rows
 
 
-def mask_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """Forbidden tokens at -inf (a copy)."""
-    width = min(logits.shape[-1], allowed.shape[-1])
-    out = np.full(logits.shape, -np.inf, dtype=np.float32)
-    out[..., :width] = np.where(allowed[..., :width], logits[..., :width], -np.inf)
-    return out

@@ -3,11 +3,12 @@
 How the models were chosen and loaded is `assemble.py`'s business; prompt building is
 `prompts.py`'s, the speculative round `rounds.py`'s, which sequence holds which conversation
 `slots.py`'s. The engine keeps the lifecycle and admission: up to `parallel` generations run
-at once (threads calling one Engine, each reading its own Stream), the rounds of all of them
-batched: a thread that needs its stream's next token and finds none committed runs the next
-round for everyone, under one lock, and the tokens it commits wait in each generation's queue
-(taken without that lock: a reader never waits behind another thread that keeps the lock busy). `cancel()` ends the
-running generations within a round, `close()` frees the models.
+at once (threads calling one Engine, each reading its own Stream). One loop runs the rounds of
+all of them, batched, on the one thread that owns llama.cpp (backend._Compute, as llama-server's
+`update_slots`): while a running generation has no committed token waiting to be read, the engine
+posts its next round there (`_loop`); the tokens a round commits wait in each generation's queue,
+and the threads that asked for them only read that queue. `cancel()` ends the running
+generations within a round, `close()` frees the models.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from . import rounds
+from .backend import _compute
 from .errors import EdgespecError, EngineClosedError, UsageError
 from .generation import FINISH_REASONS, Generation, GenerationResult, GenerationStats, StreamEvent
 from .prompts import ChatPrompt, PromptBuilder
@@ -203,10 +205,12 @@ class Engine(PromptBuilder):
         self._lanes = {0: drafter}
         self._slot = threading.Condition()   # admission: who may generate now
         self._active: list = []              # admitted streams (or one _Placeholder)
-        self._work = threading.RLock()       # held while a backend is in use (a round, a prefill)
+        self._work = threading.RLock()       # held while a backend is in use (a round, reset, close)
         self._round_done = threading.Condition()  # notified after every round: readers waiting for tokens
+        self._posted = False                 # a round is posted to the llama.cpp thread (_loop)
         self._closed = False
         self._readers = 0                    # threads tokenizing now (see _reading)
+        self._readers_idle = threading.Condition()
         self.cache = cache
         self.sequences = Sequences(target, draft, cache, self.parallel)
 
@@ -297,8 +301,9 @@ class Engine(PromptBuilder):
             for a in active:
                 a.cancel()
             self._slot.notify_all()
+        with self._readers_idle:
             while self._readers:  # a tokenization in progress reads the vocabulary about to be freed
-                self._slot.wait()
+                self._readers_idle.wait()
         with self._work:
             for a in active:
                 a._invalidate(EngineClosedError("this engine was closed while the stream was open"))
@@ -307,6 +312,8 @@ class Engine(PromptBuilder):
             if self.drafter is not None:
                 self.drafter.close()  # the lanes share its models
             self.target.close()
+        with self._round_done:
+            self._round_done.notify_all()
 
     def __enter__(self):
         return self
@@ -319,15 +326,16 @@ class Engine(PromptBuilder):
         """The target's vocabulary, for tokenizing. Not under `_work`: llama.cpp's tokenizer only
         reads the vocabulary, so a long prompt is tokenized on its caller's thread while another
         request generates (a server tokenizes off its engine thread); close() waits for it."""
-        with self._slot:
+        with self._readers_idle:  # not the admission condition: a token's text wakes no one waiting there
             self._check_open()
             self._readers += 1
         try:
             yield self.target
         finally:
-            with self._slot:
+            with self._readers_idle:
                 self._readers -= 1
-                self._slot.notify_all()
+                if not self._readers and self._closed:
+                    self._readers_idle.notify_all()
 
     # -- admission ------------------------------------------------------------------------
     class _Turn:
@@ -414,6 +422,7 @@ class Engine(PromptBuilder):
         if prompt.format is not None:
             stream._tools = StreamParser(prompt.format, prompt.request.tools)
         self._acquire(stream)
+        self._kick()  # its prompt goes in now, before its first token is asked for
         return stream
 
     def stream(self, prompt: Union[str, Sequence[int]], request: Optional[Request] = None, **options) -> Stream:
@@ -430,9 +439,54 @@ class Engine(PromptBuilder):
         request = Request.of(request, options)
         return self.stream_prompt(self.prepare_prompt(prompt, request, room=1))
 
+    # -- the loop -------------------------------------------------------------------------
+    def _kick(self) -> None:
+        """Post the next round to the llama.cpp thread, unless one is posted already."""
+        with self._round_done:
+            if self._posted or self._closed:
+                return
+            self._posted = True
+        _compute.post(self._loop)
+
+    def _wanted(self) -> bool:
+        """Whether a round is wanted: a running generation has no committed token left to read
+        (a reader is at most one round behind; a stream nobody reads does not run on)."""
+        with self._slot:
+            return any(a.generation is not None and not a.generation.finished and not a.generation.out
+                       for a in self._active)
+
+    def _loop(self) -> None:
+        """One turn of the engine's loop, on the llama.cpp thread: a round for every admitted
+        generation, then the next turn posted behind whatever else waits for that thread (another
+        engine's round, a reset's or close's calls) while a round is still wanted."""
+        with self._round_done:
+            self._posted = False
+        if self._closed:
+            return
+        if not self._work.acquire(blocking=False):  # reset() or close() holds the engine; their
+            time.sleep(0.001)                       # llama.cpp calls come to this thread meanwhile
+            self._kick()
+            return
+        try:
+            if not self._closed and self._wanted():
+                self._advance()
+        except BaseException as exc:  # not one generation's failure (those end in rounds): all of them
+            with self._slot:
+                gens = [a.generation for a in self._active if a.generation is not None]
+            for g in gens:
+                if not g.finished:
+                    g.error, g.finished = exc, True
+            with self._round_done:
+                self._round_done.notify_all()
+        finally:
+            self._work.release()
+        if not self._closed and self._wanted():
+            self._kick()
+
     def _advance(self) -> None:
-        """One round for every admitted generation (under `_work`): those that just came in
-        first get their prompt in, then all of them draft and share one verifying pass."""
+        """One round for every admitted generation (under `_work`, on the llama.cpp thread):
+        those that just came in first get their prompt in, then all of them draft and share one
+        verifying pass."""
         with self._slot:
             gens = [a.generation for a in self._active if a.generation is not None]
         # a long prompt goes in by pieces, one an _advance: n_batch tokens (llama.cpp's own cut), so a
@@ -469,7 +523,7 @@ class Engine(PromptBuilder):
         return now - g.yielding_since < YIELD_SECONDS
 
     def _tokens(self, gen: Generation) -> Iterator[tuple[int, bool]]:
-        """The generation's committed tokens, running rounds (for everyone) while it has none."""
+        """The generation's committed tokens, as the loop commits them."""
         while True:
             if gen.out:
                 yield gen.out.popleft()
@@ -478,17 +532,11 @@ class Engine(PromptBuilder):
                     error, gen.error = gen.error, None
                     raise error
                 return
-            elif self._work.acquire(blocking=False):
-                try:
-                    self._check_open()  # closed while this waited: the models are gone
-                    if not gen.out and not gen.finished:
-                        self._advance()
-                finally:
-                    self._work.release()
-            else:  # another thread runs a round (for this generation too): wait for it, not for the lock,
-                # which the thread whose reader loops would take again first
-                with self._round_done:
-                    self._round_done.wait_for(lambda: gen.out or gen.finished, timeout=0.05)
+            else:
+                self._check_open()  # closed while this waited: the models are gone
+                self._kick()
+                with self._round_done:  # with a timeout: an interrupt is seen where no signal wakes the wait
+                    self._round_done.wait_for(lambda: gen.out or gen.finished or self._closed, timeout=0.25)
 
     def _events(self, stream: Stream) -> Iterator[StreamEvent]:
         """Token ids -> events with printable text, each as soon as it is committed; then one

@@ -17,13 +17,12 @@ from typing import Optional
 
 import numpy as np
 
-from .constraints import mask_logits
 from .drafters import NO_DRAFT, Draft, Round
 from .drafters.model import ModelWant, draft_many
 from .errors import Aborted, BackendError, ConstraintError, DamagedModelError
 from .generation import Generation
 from .policy import Part, Share, exact_groups, micro_batches
-from .sampling import verify, verify_greedy, warp
+from .sampling import fit, law, verify, verify_greedy
 
 
 def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[int] = None) -> bool:
@@ -41,8 +40,8 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
         gen.n_ctx = target.n_ctx
         st.reused_prompt_tokens = -1 if not restored else -2  # set by the first piece below
     abort = getattr(target, "abort_when", None)  # a piece alone can take seconds: a cancel stops it inside
-    try:
-        with abort(gen.cancel.is_set) if abort is not None else contextlib.nullcontext():
+    try:                                         # (or its stream's end: its reader was interrupted)
+        with abort(lambda: gen.cancel.is_set() or gen.finished) if abort is not None else contextlib.nullcontext():
             row, kept = sequences.prefill(gen.seq, gen.tokens, limit)
     except Aborted:
         finish(gen, "cancelled")
@@ -290,9 +289,9 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
     params, st, guide = g.request.params, g.stats, g.guide
     drafts = draft.tokens
     if params.greedy:
-        n, y = verify_greedy(drafts, logits if masks is None else mask_logits(logits, masks))
+        n, y = verify_greedy(drafts, fit(logits, width, masks))
     else:
-        n, y = verify(drafts, _target_law(logits, masks, params, width), draft.q, g.rng)
+        n, y = verify(drafts, law(logits, params, width, masks), draft.q, g.rng)
     g.carry = None
     new = drafts[:n] + [y]
     if not target.truncate(min(len(target.held(g.seq)), len(g.tokens) + n), g.seq):
@@ -319,17 +318,6 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
     reason = _limit(g)
     if reason is not None:
         finish(g, reason)
-
-
-def _target_law(logits: np.ndarray, masks, params, width: int) -> np.ndarray:
-    """p: each row's logits with the forbidden tokens at -inf first, then the filters and the
-    temperature (`warp`), as the constrained target would sample."""
-    if logits.shape[1] != width:
-        rows = np.full((logits.shape[0], width), -np.inf, dtype=np.float32)
-        rows[:, :logits.shape[1]] = logits[:, :width]
-    else:
-        rows = logits
-    return warp(rows if masks is None else mask_logits(rows, masks), params)
 
 
 def check_finite(target, logits: np.ndarray) -> None:

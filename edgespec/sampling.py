@@ -99,6 +99,33 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return out
 
 
+def mask_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Forbidden tokens at -inf (a copy)."""
+    width = min(logits.shape[-1], allowed.shape[-1])
+    out = np.full(logits.shape, -np.inf, dtype=np.float32)
+    out[..., :width] = np.where(allowed[..., :width], logits[..., :width], -np.inf)
+    return out
+
+
+def fit(logits: np.ndarray, width: int, allowed: np.ndarray | None = None) -> np.ndarray:
+    """Logits rows as both sides compare them: cut or padded (-inf) to `width` tokens (the larger
+    vocabulary of target and draft), the tokens a constraint's `allowed` mask forbids at -inf.
+    The rows themselves when nothing changes."""
+    if logits.shape[-1] != width:
+        rows = np.full(logits.shape[:-1] + (width,), -np.inf, dtype=np.float32)
+        n = min(width, logits.shape[-1])
+        rows[..., :n] = logits[..., :n]
+        logits = rows
+    return logits if allowed is None else mask_logits(logits, allowed)
+
+
+def law(logits: np.ndarray, params: SamplingParams, width: int, allowed: np.ndarray | None = None) -> np.ndarray:
+    """The distribution a row of logits stands for, the same function for the target's rows (p)
+    and the draft's (q): `fit` (width, constraint mask) first, then the filters and temperature
+    (`warp`). A new logits processor (a bias, a penalty) belongs here, so that both sides get it."""
+    return warp(fit(logits, width, allowed), params)
+
+
 def sample(probs: np.ndarray, rng) -> int:
     """One draw from a (possibly unnormalised) non-negative vector; zero entries never come out.
 

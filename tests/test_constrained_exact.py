@@ -169,12 +169,12 @@ def test_plain_constrained_decoding_has_the_masked_law(exact, monkeypatch):
     assert seen["grammar"] == 0  # no drafter: no drafts, forced or not
 
 
-right_law = rounds._target_law
+right_law = rounds.law  # sampling.law: the target's rows as the verifier samples them
 
 
-def mask_after_top_p(logits, masks, params, width):
+def mask_after_top_p(logits, params, width, masks):
     """Wrong: the filters on the raw logits, the mask after (then renormalised)."""
-    p = right_law(logits, None, params, width)
+    p = right_law(logits, params, width, None)
     if masks is not None:
         p = np.where(masks, p, 0.0).astype(np.float32)
         s = p.sum(axis=1, keepdims=True)
@@ -182,12 +182,12 @@ def mask_after_top_p(logits, masks, params, width):
     return p.astype(np.float32)
 
 
-def no_mask_on_bonus(logits, masks, params, width):
+def no_mask_on_bonus(logits, params, width, masks):
     """Wrong: every row masked but the last (the bonus token's)."""
     if masks is not None:
         masks = masks.copy()
         masks[-1] = True
-    return right_law(logits, masks, params, width)
+    return right_law(logits, params, width, masks)
 
 
 @pytest.mark.parametrize("wrong", [mask_after_top_p, no_mask_on_bonus])
@@ -196,7 +196,7 @@ def test_wrong_constrained_verifiers_miss_the_law(wrong, kind, exact, monkeypatc
     # one draft a round: the bonus row is then often an open choice (with three, the drafts
     # mostly reach the end of the answer, where the mask decides the bonus row alone)
     with monkeypatch.context() as m:
-        m.setattr(rounds, "_target_law", wrong)
+        m.setattr(rounds, "law", wrong)
         got, _ = engine_law(_engine(kind, gamma=1), m)
     assert max_diff(got, exact) > WRONG_GAP
     # and the right verifier, one draft a round, is exact

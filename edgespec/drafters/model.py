@@ -11,8 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import BackendError, DamagedModelError
-from ..constraints import mask_logits
-from ..sampling import SamplingParams, sample, warp
+from ..sampling import SamplingParams, fit, law, sample
 from . import NO_DRAFT, Draft, Round
 
 
@@ -99,7 +98,6 @@ class _Lane:
         self.drafts: list[int] = []
         # at T = 0 the verifier compares argmaxes and needs no q rows
         self.q = None if want.params.greedy else np.zeros((want.n, d.n_vocab), dtype=np.float32)
-        self.width = min(be.n_vocab, d.n_vocab)
 
     @property
     def open(self) -> bool:
@@ -113,14 +111,11 @@ class _Lane:
         if not np.isfinite(logits.max()):
             raise DamagedModelError(f"draft model {be.path.name} produced non-finite logits: the file is "
                                     "damaged; download it again")
-        row = np.full(want.drafter.n_vocab, -np.inf, dtype=np.float32)
-        row[:self.width] = logits[:self.width]
-        if self.guide is not None:
-            row = mask_logits(row, self.guide.allowed())
+        allowed = self.guide.allowed() if self.guide is not None else None
         if self.q is None:
-            self.drafts.append(int(np.argmax(row)))
+            self.drafts.append(int(np.argmax(fit(logits, want.drafter.n_vocab, allowed))))
         else:
-            self.q[i] = warp(row, want.params)
+            self.q[i] = law(logits, want.params, want.drafter.n_vocab, allowed)
             self.drafts.append(sample(self.q[i], want.rng))
         if self.guide is not None:
             self.guide.advance(self.drafts[-1:])

@@ -104,7 +104,9 @@ class Generation:
     drafter: object = None          # this sequence's drafter lane (None: plain decoding)
     cancel: threading.Event = field(default_factory=threading.Event)
     out: deque = field(default_factory=deque)  # committed (token, from_draft) its stream has not taken
-    carry: Optional[np.ndarray] = None         # the prompt's last row, for the first round
+    restored: Optional[bool] = None  # its prompt's prefix came back from the prompt cache (None: no sequence yet)
+    kept: Optional[int] = None      # prompt tokens its sequence already held (None: its first piece is not in)
+    carry: Optional[np.ndarray] = None         # the prompt's last row, for the first round (rounds._feed)
     ahead: Optional[Callable] = None           # under a constraint: what the grammar drafts ahead
     t1: float = 0.0                 # when its prompt was in (decode time counts from here)
     started: bool = False

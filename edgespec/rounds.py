@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -36,9 +35,8 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
         return False
     if gen.seq < 0:
         gen.t1 = time.perf_counter()  # the prompt's start, until it is in
-        gen.seq, restored = sequences.claim(gen.tokens, busy)
+        gen.seq, gen.restored = sequences.claim(gen.tokens, busy)
         gen.n_ctx = target.n_ctx
-        st.reused_prompt_tokens = -1 if not restored else -2  # set by the first piece below
     abort = getattr(target, "abort_when", None)  # a piece alone can take seconds: a cancel stops it inside
     try:                                         # (or its stream's end: its reader was interrupted)
         with abort(lambda: gen.cancel.is_set() or gen.finished) if abort is not None else contextlib.nullcontext():
@@ -46,9 +44,9 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
     except Aborted:
         finish(gen, "cancelled")
         return False
-    if st.reused_prompt_tokens < 0:
-        st.restored_prompt_tokens = kept if st.reused_prompt_tokens == -2 else 0
-        st.reused_prompt_tokens = kept
+    if gen.kept is None:  # the first piece says how much of the prompt was there already
+        gen.kept = st.reused_prompt_tokens = kept
+        st.restored_prompt_tokens = kept if gen.restored else 0
     if row is None:
         return False
     gen.started, gen.carry = True, row
@@ -75,42 +73,59 @@ def step(target, gens: list[Generation], width: int, exact: bool = False) -> Non
         return
     td = time.perf_counter()
     try:
-        plans = _drafts(target, live, exact)
+        plans = _drafts(target, live, exact)                  # [(draft, drafter's part, n forced, masks)]
         tv = time.perf_counter()
         feeds = [_feed(g, target, draft.tokens, masks) for g, (draft, _, _, masks) in zip(live, plans)]
-        parts = [part for part, _ in feeds if part is not None]
+        parts = [part for part, _, _ in feeds if part is not None]
         cut = sorted(([i] for i in range(len(parts))), key=lambda g: parts[g[0]][0]) \
             if exact and len(parts) > 1 else _exact_cut(live, parts)
-        got = iter(_verify(target, parts, cut))
-        if cut is not None and len(cut) > 1:  # a shared pass cut so that each computes as alone
-            for g, (part, _) in zip(live, feeds):
-                if part is not None:
-                    g.stats.exact_cuts += 1
+        got = iter(_verify(target, parts, cut))              # one pass (or one per group of `cut`)
     except Exception as exc:
         for g in live:
             g.error, g.finished = exc, True
         return
-    te = time.perf_counter()
-    alone = len(live) == 1
-    rows_all, fed_all = sum(len(r) for _, _, r in parts), sum(len(t) for _, t, _ in parts)
-    wants = sum(1 for _, inner, _, _ in plans if inner.source == "model")
-    # a shared pass is learnt from once, with all its rows, and only when llama.cpp computed it
-    # in one go (several micro-batches are not a pass of that many rows)
-    timed = alone or cut is not None or len(micro_batches([Part(seq, len(t), len(r)) for seq, t, r in parts])) > 1
-    for g, (draft, inner, n_forced, masks), (part, ask) in zip(live, plans, feeds):
-        fed = len(part[1]) if part is not None else 0
-        mine = alone or (part is not None and not timed)
-        timed = timed or mine
-        rows, fed = (len(ask), fed) if alone or not mine else (rows_all, fed_all)
-        info = Round([], inner, 0, rows, te - tv, tv - td, fed, timed_pass=mine, timed_draft=wants <= 1)
+    timings = _timings(plans, feeds, parts, cut, draft_seconds=tv - td, verify_seconds=time.perf_counter() - tv)
+    for g, (draft, inner, n_forced, masks), (part, ask, known), timing in zip(live, plans, feeds, timings):
+        if part is not None and cut is not None and len(cut) > 1:
+            g.stats.exact_cuts += 1
         try:
-            logits = _laws(g, target, draft.tokens, next(got) if part is not None else None, ask, masks)
+            logits = _laws(draft.tokens, next(got) if part is not None else None, ask, known, masks, target.n_vocab)
             if ask:
                 g.stats.target_forwards += 1
                 check_finite(target, logits)
-            _commit(g, target, draft, inner, n_forced, logits, masks, width, info)
+            _commit(g, target, draft, inner, n_forced, logits, masks, width, timing)
         except Exception as exc:  # this generation's failure (a dead-end constraint), not the others'
             g.error, g.finished = exc, True
+
+
+class Timing(NamedTuple):
+    """What a round's pass and drafting cost, as one generation's drafter may learn it (Round's fields)."""
+
+    verify_rows: int
+    verify_seconds: float
+    draft_seconds: float
+    fed: int
+    timed_pass: bool
+    timed_draft: bool
+
+
+def _timings(plans, feeds, parts, cut, draft_seconds: float, verify_seconds: float) -> list[Timing]:
+    """Each generation's share of the round's timing. Alone, the pass and the drafting are its own.
+    A pass several sequences shared is learnt from once, with all its rows, by the first of them, and
+    only when llama.cpp computed it in one go (not cut for exactness, not several micro-batches);
+    drafting is a generation's own only when no other drafted with the model beside it."""
+    alone = len(plans) == 1
+    rows_all, fed_all = sum(len(r) for _, _, r in parts), sum(len(t) for _, t, _ in parts)
+    model_drafts = sum(1 for _, inner, _, _ in plans if inner.source == "model")
+    claimed = alone or cut is not None or len(micro_batches([Part(seq, len(t), len(r)) for seq, t, r in parts])) > 1
+    out = []
+    for part, ask, _ in feeds:
+        fed = len(part[1]) if part is not None else 0
+        mine = alone or (part is not None and not claimed)
+        claimed = claimed or mine
+        rows, fed = (len(ask), fed) if alone or not mine else (rows_all, fed_all)
+        out.append(Timing(rows, verify_seconds, draft_seconds, fed, timed_pass=mine, timed_draft=model_drafts <= 1))
+    return out
 
 
 def _exact_cut(live: list[Generation], parts) -> Optional[list[list[int]]]:
@@ -251,40 +266,41 @@ def _combine(g: Generation, forced: list[int], inner: Draft):
 
 
 def _feed(g: Generation, target, drafts: list[int], masks):
-    """This generation's part of the pass, (seq, tokens, rows) or None, and the rows asked
-    (indices into its k + 1 laws). Row i is the target's law for drafts[i], the last the bonus
-    token's; a row a mask leaves one token in is not asked (nor is a part without open rows
-    fed: its tokens stay pending for the next round)."""
+    """This generation's part of the pass, (seq, tokens, rows) or None; the rows asked (indices into
+    its k + 1 laws); the rows known without the pass ({index: logits}). Row i is the target's law
+    for drafts[i], the last the bonus token's. In its first round row 0 is the prompt's last row,
+    computed with the prompt (`carry`, used up here). A row a mask leaves one token in is not asked
+    (nor is a part without open rows fed: its tokens stay pending for the next round)."""
     k = len(drafts)
     open_rows = list(range(k + 1)) if masks is None else [i for i in range(k + 1) if masks[i].sum() > 1]
-    if g.carry is not None:  # first round: the last prompt row is already computed (row 0)
-        ask = [i for i in open_rows if i > 0]
-        return ((g.seq, drafts, [i - 1 for i in ask]) if ask else None), ask
-    if not open_rows:
-        return None, []
-    pending = g.tokens[len(target.held(g.seq)):]
-    return (g.seq, pending + drafts, [len(pending) - 1 + i for i in open_rows]), open_rows
-
-
-def _laws(g: Generation, target, drafts, got, ask, masks) -> np.ndarray:
-    """The k + 1 rows of logits: the pass's rows, the prompt's row in the first round, and a
-    point mass on its one legal token for a row the mask decides."""
-    width = target.n_vocab
-    logits = np.empty((len(drafts) + 1, width), dtype=np.float32)
     if g.carry is not None:
-        logits[0] = g.carry[0]
+        known, g.carry = {0: g.carry[0]}, None
+        ask = [i for i in open_rows if i > 0]
+        return ((g.seq, drafts, [i - 1 for i in ask]) if ask else None), ask, known
+    if not open_rows:
+        return None, [], {}
+    pending = g.tokens[len(target.held(g.seq)):]
+    return (g.seq, pending + drafts, [len(pending) - 1 + i for i in open_rows]), open_rows, {}
+
+
+def _laws(drafts, got, ask, known: dict, masks, n_vocab: int) -> np.ndarray:
+    """The k + 1 rows of logits: the pass's rows (`got`, for the rows asked), the rows known
+    before it, and a point mass on its one legal token for a row the mask decides."""
+    logits = np.empty((len(drafts) + 1, n_vocab), dtype=np.float32)
+    for i, row in known.items():
+        logits[i] = row
     for j, i in enumerate(ask):
         logits[i] = got[j]
     if masks is not None:
-        done = set(ask) | ({0} if g.carry is not None else set())
+        done = set(ask) | set(known)
         for i in range(len(drafts) + 1):
             if i not in done:
-                logits[i] = np.where(masks[i][:width], 0.0, -np.inf)
+                logits[i] = np.where(masks[i][:n_vocab], 0.0, -np.inf)
     return logits
 
 
 def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, logits, masks, width: int,
-            info: Round) -> None:
+            timing: Timing) -> None:
     """Accept by the exact rule, cut the KV cache back, and queue what was committed."""
     params, st, guide = g.request.params, g.stats, g.guide
     drafts = draft.tokens
@@ -292,16 +308,15 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
         n, y = verify_greedy(drafts, fit(logits, width, masks))
     else:
         n, y = verify(drafts, law(logits, params, width, masks), draft.q, g.rng)
-    g.carry = None
     new = drafts[:n] + [y]
     if not target.truncate(min(len(target.held(g.seq)), len(g.tokens) + n), g.seq):
         raise BackendError("the target's KV cache could not be cut back")
     g.tokens.extend(new)
     if guide is not None:
         guide.advance([t for t in new if not target.is_eog(t)])
-    count(st, draft, n, n_forced, inner.source, info.verify_seconds + info.draft_seconds)
+    count(st, draft, n, n_forced, inner.source, timing.verify_seconds + timing.draft_seconds)
     if g.drafter is not None:
-        g.drafter.observe(replace(info, tokens=g.tokens, accepted=max(0, n - n_forced)))
+        g.drafter.observe(Round(tokens=g.tokens, draft=inner, accepted=max(0, n - n_forced), **timing._asdict()))
     for i, tok in enumerate(new):
         if target.is_eog(tok):
             if guide is not None and not guide.accepting:  # the grammar left nothing else

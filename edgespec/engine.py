@@ -186,7 +186,7 @@ class Engine(PromptBuilder):
         (default: the sequences the target holds, its `n_seq`)."""
         self.target = target
         self.drafter = drafter
-        self.n_vocab = max(target.n_vocab, getattr(getattr(drafter, "model", drafter), "n_vocab", 0) or 0)
+        self.n_vocab = max(target.n_vocab, drafter.n_vocab if drafter is not None else 0)
         if drafter is not None and not target.can_truncate:
             raise UsageError(f"{target.path.name} is a recurrent or hybrid model whose cache cannot be "
                              "cut back after a rejected draft: speculation is impossible, use --drafter none")
@@ -195,12 +195,12 @@ class Engine(PromptBuilder):
         # each sequence's rows in passes of their own (Settings.parallel_exact, on through from_settings):
         # a row computed beside another sequence's rows rounds otherwise (SmolLM2 Q4_1, 2 threads)
         self.exact_shared = False
-        draft = self._draft_backend()
+        draft = drafter.draft_backend if drafter is not None else None
         held = min(n_seq, getattr(draft, "n_seq", n_seq)) if draft is not None else n_seq
         if not 1 <= self.parallel <= held:
             raise UsageError(f"parallel must be in 1..{held} (the sequences the models' contexts hold), "
                              f"got {self.parallel}")
-        if self.parallel > 1 and drafter is not None and not hasattr(drafter, "fork"):
+        if self.parallel > 1 and drafter is not None and not drafter.forks:
             raise UsageError(f"the {drafter.name} drafter cannot draft for several sequences: use parallel=1")
         self._lanes = {0: drafter}
         self._slot = threading.Condition()   # admission: who may generate now
@@ -253,13 +253,6 @@ class Engine(PromptBuilder):
                 drafter.close()
             target.close()
             raise
-
-    def _draft_backend(self):
-        """The draft model's backend (all its sequences), or None."""
-        d = self.drafter
-        model = d if getattr(d, "name", None) == "model" else getattr(d, "model", None)
-        backend = getattr(model, "backend", None)
-        return getattr(backend, "backend", backend)
 
     def _lane(self, seq: int):
         """The drafter for sequence `seq` (None: plain decoding)."""

@@ -10,7 +10,6 @@ rows a mask decides alone. With one generation this is the plain speculative loo
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import NamedTuple, Optional
 
@@ -37,9 +36,8 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
         gen.t1 = time.perf_counter()  # the prompt's start, until it is in
         gen.seq, gen.restored = sequences.claim(gen.tokens, busy)
         gen.n_ctx = target.n_ctx
-    abort = getattr(target, "abort_when", None)  # a piece alone can take seconds: a cancel stops it inside
-    try:                                         # (or its stream's end: its reader was interrupted)
-        with abort(lambda: gen.cancel.is_set() or gen.finished) if abort is not None else contextlib.nullcontext():
+    try:  # a piece alone can take seconds: a cancel (or its stream's end) stops it inside
+        with target.abort_when(lambda: gen.cancel.is_set() or gen.finished):
             row, kept = sequences.prefill(gen.seq, gen.tokens, limit)
     except Aborted:
         finish(gen, "cancelled")
@@ -56,7 +54,7 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
         lane.begin(list(gen.tokens))
     if gen.guide is not None:  # what the grammar drafts ahead: decided once a generation
         from .policy import drafts_likely
-        gen.ahead = gen.guide.likely if drafts_likely(getattr(lane, "policy", None)) else gen.guide.forced
+        gen.ahead = gen.guide.likely if drafts_likely(lane.policy if lane is not None else None) else gen.guide.forced
     t0, gen.t1 = gen.t1, time.perf_counter()
     st.prompt_seconds = gen.t1 - t0
     return True
@@ -131,7 +129,7 @@ def _timings(plans, feeds, parts, cut, draft_seconds: float, verify_seconds: flo
 def _exact_cut(live: list[Generation], parts) -> Optional[list[list[int]]]:
     """The parts by the passes that keep each within what llama.cpp computes exactly, where the
     policy (of the first lane that has one) is told to (`exact_shared`, --parallel-exact)."""
-    policy = next((g.drafter.policy for g in live if getattr(g.drafter, "policy", None) is not None), None)
+    policy = next((g.drafter.policy for g in live if g.drafter is not None and g.drafter.policy is not None), None)
     if policy is None or not policy.exact_shared or len(parts) < 2:
         return None
     return exact_groups([Part(seq, len(toks), len(rows)) for seq, toks, rows in parts], policy.exact_rows,
@@ -188,9 +186,9 @@ def finish(g: Generation, reason: Optional[str], force: bool = False) -> None:
             g.stats.finish_reason = reason
         g.finished = True
         g.stats.decode_seconds = time.perf_counter() - g.t1 if g.started else 0.0
-        describe = getattr(g.drafter, "describe_costs", None)
-        if describe is not None:
-            g.stats.costs = describe()
+        costs = g.drafter.describe_costs() if g.drafter is not None else None
+        if costs is not None:
+            g.stats.costs = costs
 
 
 def _drafts(target, live: list[Generation], exact: bool = False):
@@ -234,11 +232,7 @@ def _plan(g: Generation, share) -> tuple[list[int], object]:
     left = room - len(forced)
     if lane is None or left <= 0:
         return forced, NO_DRAFT
-    params = g.request.params
-    plan = getattr(lane, "plan", None)
-    if plan is not None:
-        return forced, plan(g.tokens + forced, left, params, g.rng, guide, share=share)
-    return forced, lane.propose(g.tokens + forced, left, params, g.rng, guide)
+    return forced, lane.plan(g.tokens + forced, left, g.request.params, g.rng, guide, share=share)
 
 
 def _combine(g: Generation, forced: list[int], inner: Draft):

@@ -3,6 +3,7 @@ token (an order-1 Markov model), with `n_seq` sequences. It checks the engine's 
 on every call."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +103,10 @@ class FakeBackend:
         self.evals += 1
         self.batches.append([(seq, len(tokens), len(rows)) for seq, tokens, rows in parts])
         return out
+
+    def abort_when(self, stop):
+        """Passes here never take long enough to be stopped inside (backend.LlamaBackend's can)."""
+        return contextlib.nullcontext()
 
     def truncate(self, pos, seq=0):
         del self.caches[seq][pos:]

@@ -59,7 +59,7 @@ def test_the_draft_models_cache_comes_back_with_the_targets(smol, smol_draft, mo
     with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024, threads=2,
                      cache_ram="32MiB") as eng:
         _talk(eng, ROUND_ROBIN[:3])  # three conversations: the first two are in the cache now
-        draft = eng._draft_backend()
+        draft = eng.drafter.draft_backend
         conv = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": QUESTIONS[0][0]},
                 {"role": "assistant", "content": "Sourdough."}, {"role": "user", "content": "Why?"}]
         prompt = eng.chat_tokens(conv)

@@ -94,7 +94,7 @@ def test_two_sequences_in_one_batch_each_have_the_target_law(make, monkeypatch):
     # they really shared passes: a verifying pass with both sequences' rows in it
     assert any(len(parts) == 2 for parts in engine.target.batches)
     if make is _model_engine:  # and the draft model's steps for both in one batch
-        assert any(len(parts) == 2 for parts in engine._draft_backend().batches)
+        assert any(len(parts) == 2 for parts in engine.drafter.draft_backend.batches)
 
 
 def test_a_wrong_batched_verifier_misses_the_product_law(monkeypatch):

@@ -242,7 +242,7 @@ def _acceptance(main, ptoks, n, gamma, seed) -> dict:
     """T = 1 acceptance of the draft model: exact min(1, p/q) sampling vs argmax matching."""
     from ..assemble import make_drafter
     from ..engine import Engine
-    model = make_drafter("model", main.target, main.drafter.model.backend, gamma=gamma)
+    model = make_drafter("model", main.target, main.drafter.draft_backend, gamma=gamma)
     t1 = SamplingParams(1.0)
     _, se = _run(Engine(main.target, model), ptoks, n, t1, seed=seed)
     _, sa = _run(Engine(main.target, ArgmaxDrafts(model)), ptoks, n, t1, seed=seed)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from ..drafters import Draft
+from ..drafters import Draft, Drafter
 from ..sampling import SamplingParams
 
 
-class ArgmaxDrafts:
+class ArgmaxDrafts(Drafter):
     """Wraps a model drafter so it proposes its argmax and hands no q to the verifier: the
     target then samples from p and accepts while equal (llama.cpp server's scheme). Exact, but
     accepts less than min(1, p/q) sampling at T > 0."""
@@ -21,8 +21,16 @@ class ArgmaxDrafts:
     def begin(self, tokens):
         self.inner.begin(tokens)
 
-    def propose(self, tokens, room, params, rng):
-        d = self.inner.propose(tokens, room, SamplingParams(0.0), rng)
+    @property
+    def n_vocab(self) -> int:
+        return self.inner.n_vocab
+
+    @property
+    def draft_backend(self):
+        return self.inner.draft_backend
+
+    def propose(self, tokens, room, params, rng, guide=None):
+        d = self.inner.propose(tokens, room, SamplingParams(0.0), rng, guide)
         return Draft(d.tokens, None, self.name)
 
     def observe(self, round):

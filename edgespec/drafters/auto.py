@@ -4,15 +4,16 @@ passes cost now and the acceptance seen so far."""
 from __future__ import annotations
 
 from ..policy import Offer, Share
-from . import NO_DRAFT, Draft, Round
+from . import NO_DRAFT, Draft, Drafter, Round
 from .copy import CopyDrafter
 from .model import ModelWant, draft_many
 from .ngram import NgramDrafter
 from .quote import value_end
 
 
-class AutoDrafter:
+class AutoDrafter(Drafter):
     name = "auto"
+    forks = True
 
     def __init__(self, policy, copy: CopyDrafter | NgramDrafter | None = None, model=None):
         """`copy`: the copy drafter (an NgramDrafter is wrapped: its index serves fresh
@@ -27,6 +28,14 @@ class AutoDrafter:
         self._committed = 0  # tokens committed at the last observe (begin: the prompt)
         self._constrained = False  # the last proposal was made under a constraint
         self._bound = None  # under a constraint: the continuation's tokens the proposal stood for
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.n_vocab if self.model is not None else 0
+
+    @property
+    def draft_backend(self):
+        return self.model.draft_backend if self.model is not None else None
 
     @property
     def ngram(self) -> NgramDrafter:
@@ -107,9 +116,9 @@ class AutoDrafter:
     def _model_lag(self, tokens: list[int]) -> int:
         """Committed tokens the draft model has not evaluated: it skips plain rounds, and must
         catch up on them before its next draft (a cost the policy weighs)."""
-        backend = getattr(self.model, "backend", None)
-        if backend is None:
+        if self.model is None:
             return 1
+        backend = self.model.backend
         if self.policy.reproducible and not self._drafted:
             # priced as a fresh generation would find it (what the draft model held before, from
             # earlier requests, must not change this one's decisions): the whole context

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import Draft, Round
+from . import Draft, Drafter, Round
 from .ngram import NgramDrafter, agreed, run_length
 
 ALIGNED_MIN = 12  # agreed tokens before a copy counts as an established alignment
@@ -40,11 +40,12 @@ class CopyMatch(NamedTuple):
 NO_MATCH = CopyMatch("none", 0, [], False)
 
 
-class CopyDrafter:
+class CopyDrafter(Drafter):
     """Aligned copy with prompt lookup for fresh starts. As a drafter on its own it proposes
     `gamma` tokens a round; the auto drafter uses `match` and `outcome`."""
 
     name = "copy"
+    forks = True
 
     def __init__(self, gamma: int = 4, ngram: NgramDrafter | None = None):
         self.gamma = gamma

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import BackendError, DamagedModelError
 from ..sampling import SamplingParams, fit, law, sample
-from . import NO_DRAFT, Draft, Round
+from . import NO_DRAFT, Draft, Drafter, Round
 
 
 class ModelWant(NamedTuple):
@@ -25,8 +25,9 @@ class ModelWant(NamedTuple):
     guide: object = None
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     name = "model"
+    forks = True
 
     def __init__(self, backend, n_vocab: int, gamma: int = 4):
         # n_vocab: the width of the target's rows; q is zero beyond the draft's own vocabulary.
@@ -46,9 +47,13 @@ class ModelDrafter:
         if kept % piece_of(be):
             be.truncate(kept - kept % piece_of(be))
 
+    @property
+    def draft_backend(self):
+        return getattr(self.backend, "backend", self.backend)  # a SequenceView's backend, or itself
+
     def fork(self, seq: int) -> "ModelDrafter":
         """A lane of the same draft model for sequence `seq`."""
-        root = getattr(self.backend, "backend", self.backend)
+        root = self.draft_backend
         return ModelDrafter(root.sequence(seq) if seq else root, self.n_vocab, self.gamma)
 
     def propose(self, tokens, room, params: SamplingParams, rng, guide=None) -> Draft:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import Draft, Round
+from . import Draft, Drafter, Round
 
 N_MIN = 1
 N_MAX = 8
@@ -76,11 +76,12 @@ def agreed(proposal: list[int], tokens: list[int], start: int) -> tuple[int, int
     return matched, compared
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup as a drafter: `gamma` tokens of the continuation each round (fixed length).
     The auto drafter uses `match` and `outcome` to learn how far copies can be trusted."""
 
     name = "ngram"
+    forks = True
 
     def __init__(self, gamma: int = 4, n_min: int = N_MIN, n_max: int = N_MAX):
         self.gamma = gamma

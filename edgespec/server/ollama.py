@@ -348,7 +348,7 @@ class Model:
         self.template = target.chat_template() or ""
         self.tool_format = detect(self.template or None).name
         self.n_ctx = int(target.n_ctx)
-        draft = engine._draft_backend() if hasattr(engine, "_draft_backend") else None
+        draft = engine.drafter.draft_backend if engine.drafter is not None else None
         self.draft = Path(draft.path).name if draft is not None and getattr(draft, "path", None) else None
         settings = getattr(target, "settings", {}) or {}
         gpu = settings.get("gpu_offload") and settings.get("n_gpu_layers", 0) != 0

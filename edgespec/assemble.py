@@ -528,7 +528,8 @@ def make_policy(target, draft_backend=None, *, calibrate: str = "auto", progress
     """auto's policy over this device's costs: calibrated (or cached), then followed online;
     corrections that hold are written back to the calibration cache (not with "never")."""
     from .calibrate import LoadMeter, exact_limit, obtain, write_back
-    from .policy import OnlineCosts, Policy
+    from .costs import OnlineCosts
+    from .policy import Policy
     cal = obtain(target, draft_backend, mode=calibrate, progress=progress)
     exact = exact_limit(target, draft_backend, cal, calibrate)
     persist = None

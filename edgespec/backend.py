@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -149,6 +149,38 @@ KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # what n_gpu_layers = -1 means: lla
 
 def gpu_offload_supported() -> bool:
     return bool(_llama().llama_supports_gpu_offload())
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the engine, the round, the sequences and the drafters use of a model: LlamaBackend
+    over llama.cpp, tests/fakes.FakeBackend over a numpy table. Sequences are ids 0..n_seq-1,
+    each its own KV stream of n_ctx cells; `held(seq)` is what that cache holds, token for token."""
+
+    path: Path
+    n_vocab: int
+    n_ctx: int
+    n_seq: int
+    n_batch: int
+    can_truncate: bool           # a rejected draft can be cut back (not a recurrent model)
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]: ...
+    def token_to_piece(self, token: int, special: bool = False) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+    def chat_template(self) -> Optional[str]: ...
+    def held(self, seq: int = 0) -> list[int]: ...
+    def sequence(self, seq: int): ...      # a view with the one-sequence calls (a drafter's lane)
+
+    def eval_batch(self, parts) -> list[np.ndarray]:
+        """[(seq, tokens, rows)] appended to their sequences in one pass; each part's rows' logits."""
+    def abort_when(self, stop: Callable[[], bool]):
+        """A context in which a pass stops (Aborted) as soon as `stop()` says so."""
+    def truncate(self, pos: int, seq: int = 0) -> bool: ...
+    def keep_prefix(self, tokens: Sequence[int], seq: int = 0) -> int: ...
+    def copy_prefix(self, src: int, dst: int, n: int) -> int: ...
+    def pos_max(self, seq: int = 0) -> int: ...
+    def reset(self, seq: Optional[int] = None) -> None: ...
+    def close(self) -> None: ...
 
 
 class LlamaBackend:

@@ -11,7 +11,7 @@ over a sample of row counts (the rest interpolated), each figure the median of i
 a sweep during which other processes used the CPU (psutil) is measured again, and so is a
 result that contradicts itself (a 1-row pass costing more than a bigger one, repeats that
 disagree). What still fails is stored as *provisional*: used, corrected online by the engine
-(policy.OnlineCosts), and measured again at the next load.
+(costs.OnlineCosts), and measured again at the next load.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .cachefile import read_text
-from .policy import Costs
+from .costs import Costs
 from .progress import log, report
 from .registry import cache_dir
 from .sampling import SamplingParams, warp

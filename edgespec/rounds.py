@@ -19,7 +19,8 @@ from .drafters import NO_DRAFT, Draft, Round
 from .drafters.model import ModelWant, draft_many
 from .errors import Aborted, BackendError, ConstraintError, DamagedModelError
 from .generation import Generation
-from .policy import Part, Share, exact_groups, micro_batches
+from .costs import Part, Share, exact_groups, micro_batches
+from .policy import drafts_likely
 from .sampling import fit, law, verify, verify_greedy
 
 
@@ -53,7 +54,6 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
     if lane is not None:
         lane.begin(list(gen.tokens))
     if gen.guide is not None:  # what the grammar drafts ahead: decided once a generation
-        from .policy import drafts_likely
         gen.ahead = gen.guide.likely if drafts_likely(lane.policy if lane is not None else None) else gen.guide.forced
     t0, gen.t1 = gen.t1, time.perf_counter()
     st.prompt_seconds = gen.t1 - t0

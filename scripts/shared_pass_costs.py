@@ -4,7 +4,7 @@ micro-batches llama.cpp cuts a pass into when each sequence has a KV stream of i
     python scripts/shared_pass_costs.py MODEL.gguf [--depth N] [--no-repack] [--flash-attn on|off|auto]
 
 Prints each layout's median time over --trials passes as a multiple of one sequence's one-row pass
-(T1), so that the figures the policy decides on (policy.Costs.split_cost) can be set beside what the
+(T1), so that the figures the policy decides on (costs.Costs.split_cost) can be set beside what the
 device does. Layouts are (sequence, tokens fed) with a row of logits on every token.
 Measured on this project's 2-core AMD EPYC (Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, depth ~300):
 T1 39-45 ms; one sequence 2 / 4 rows 1.58-1.98 / 3.03-3.7; two sequences x 1 row 1.92-2.3; four

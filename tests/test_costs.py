@@ -10,7 +10,7 @@ import random
 import pytest
 
 from edgespec.bench.ceiling import replay
-from edgespec.drafters import Draft
+from edgespec.drafters import Draft, Drafter
 from edgespec.drafters.auto import AutoDrafter
 from edgespec.policy import Acceptance, Costs, OnlineCosts, Policy
 
@@ -21,8 +21,11 @@ PROMPT = [1, 2, 3]
 OUT = list(range(1000, 5000))  # nothing repeats: only the draft model can draft
 
 
-class StubModel:
+class StubModel(Drafter):
     """A draft model that proposes the output's next tokens, each right with probability alpha."""
+
+    name = "model"
+    backend = None  # no KV cache: never behind
 
     def __init__(self, alpha=0.8, seed=0):
         self.alpha, self.rng = alpha, random.Random(seed)

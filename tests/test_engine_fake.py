@@ -164,3 +164,22 @@ def test_each_drafter_says_what_its_rounds_cost():
     assert parts and all(v["seconds"] >= 0 for v in parts.values())
     assert sum(v["seconds"] for v in parts.values()) <= r.stats.decode_seconds + 1e-6
     assert sum(v["rounds"] for v in parts.values()) == r.stats.rounds
+
+
+def test_the_fakes_implement_the_written_interfaces():
+    """The test stand-ins are what the engine is written against: backend.Backend, drafters.Drafter."""
+    from edgespec.backend import Backend, LlamaBackend
+    from edgespec.drafters import Drafter
+    from edgespec.drafters.auto import AutoDrafter
+    from edgespec.drafters.copy import CopyDrafter
+    from edgespec.drafters.model import ModelDrafter
+    from edgespec.drafters.ngram import NgramDrafter
+    fake = FakeBackend(np.zeros((4, 4), dtype=np.float32))
+    assert isinstance(fake, Backend)
+    missing = [m for m in ("eval_batch", "abort_when", "truncate", "keep_prefix", "copy_prefix", "held",
+                           "sequence", "tokenize", "token_to_piece", "is_eog", "pos_max", "reset", "close")
+               if not callable(getattr(LlamaBackend, m, None))]
+    assert missing == []
+    for cls in (ModelDrafter, NgramDrafter, CopyDrafter, AutoDrafter):
+        assert issubclass(cls, Drafter) and cls.forks
+    assert Drafter().plan([1], 4, None, None).tokens == []  # the default drafts nothing

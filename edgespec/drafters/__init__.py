@@ -81,7 +81,7 @@ class Drafter:
     def plan(self, tokens: list[int], room: int, params: SamplingParams, rng: np.random.Generator,
              guide=None, share=None):
         """`propose`, or a `model.ModelWant` to be drafted in one batch with the other sequences';
-        `share`: the pass this sequence shares (policy.Share), for a drafter that prices it."""
+        `share`: the pass this sequence shares (costs.Share), for a drafter that prices it."""
         return self.propose(tokens, room, params, rng, guide)
 
     def observe(self, round: Round) -> None:

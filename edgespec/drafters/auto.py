@@ -3,7 +3,8 @@ lookup hit), the draft model or no draft at all, and the draft length, from what
 passes cost now and the acceptance seen so far."""
 from __future__ import annotations
 
-from ..policy import Offer, Share
+from ..costs import Share
+from ..policy import Offer
 from . import NO_DRAFT, Draft, Drafter, Round
 from .copy import CopyDrafter
 from .model import ModelWant, draft_many
@@ -64,7 +65,7 @@ class AutoDrafter(Drafter):
 
     def plan(self, tokens, room, params, rng, guide=None, share=None):
         """`propose`, but a model draft comes back as a ModelWant (drafted in a batch with the
-        other sequences'); `share`: the rest of the pass this round makes (a policy.Share; None:
+        other sequences'); `share`: the rest of the pass this round makes (a costs.Share; None:
         this sequence alone): what a draft adds is priced against the whole pass."""
         if room <= 0:
             return NO_DRAFT
@@ -116,9 +117,9 @@ class AutoDrafter(Drafter):
     def _model_lag(self, tokens: list[int]) -> int:
         """Committed tokens the draft model has not evaluated: it skips plain rounds, and must
         catch up on them before its next draft (a cost the policy weighs)."""
-        if self.model is None:
+        backend = self.model.backend if self.model is not None else None
+        if backend is None:  # no draft model (or a stand-in without a cache of its own)
             return 1
-        backend = self.model.backend
         if self.policy.reproducible and not self._drafted:
             # priced as a fresh generation would find it (what the draft model held before, from
             # earlier requests, must not change this one's decisions): the whole context

@@ -641,11 +641,10 @@ def _refusal(what: str):
 
 async def _raw(request: Request, s, comp: CompletionRequest, shape: Shape):
     """/api/generate with raw: the prompt as it is, answered as /v1/completions answers it."""
-    from .app import _answer, _checked, _n_ctx, _prepare  # app.py imports this module
+    from .app import _answer, _n_ctx, _prepare  # app.py imports this module
     try:
-        req = await _checked(comp, _n_ctx(s))
-        ready = await _prepare(lambda: s.engine.prepare_prompt(comp.engine_prompt(), req, room=1),
-                               comp.constraint()[1], "prompt")
+        ready = await _prepare(comp, _n_ctx(s), lambda req: s.engine.prepare_prompt(comp.engine_prompt(), req, room=1),
+                               "prompt")
     except ApiError as exc:
         for ours, theirs in GENERATE.WORDS:
             exc.message = exc.message.replace(ours, theirs)

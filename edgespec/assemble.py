@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
 
+from .defaults import ALL_LAYERS, GAMMA, N_CTX
 from .errors import UsageError
 from .progress import ProgressCallback, log
 
@@ -51,7 +52,6 @@ REGISTRY = {k.name: k for k in (
 DRAFTERS = tuple(REGISTRY)
 CALIBRATE = ("auto", "now", "never")
 FLASH_ATTN = ("on", "off", "auto")
-ALL_LAYERS = -1  # n_gpu_layers: offload every layer
 DEFAULT_CACHE_MAX = 2**30  # the default prompt cache: at most 1 GiB of host RAM
 # --memory-budget and --cache-ram, defined once for every verb (run, bench, calibrate, serve, plan)
 BUDGET_FLAGS = {
@@ -144,11 +144,11 @@ class Settings:
     target: Optional[str] = None
     draft: Optional[str] = None
     drafter: str = "auto"
-    n_ctx: int = 4096
+    n_ctx: int = N_CTX
     threads: Optional[int] = None
     n_gpu_layers: int = ALL_LAYERS
     draft_n_gpu_layers: int = ALL_LAYERS
-    gamma: int = 4                     # draft length of the fixed-length drafters (model, ngram)
+    gamma: int = GAMMA                 # draft length of the fixed-length drafters (model, ngram)
     memory_budget: Union[int, str, None] = None
     cache_ram: Union[int, str, None] = None  # prompt cache in host RAM (bytes or "512MiB"; 0: none; None: default)
     cache_dir: Optional[str] = None          # and on disk, for restarts (None: not on disk)
@@ -513,7 +513,7 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
         raise
 
 
-def make_drafter(mode: str, target, draft_backend=None, *, gamma: int = 4, calibrate: str = "auto",
+def make_drafter(mode: str, target, draft_backend=None, *, gamma: int = GAMMA, calibrate: str = "auto",
                  progress: Optional[ProgressCallback] = None):
     """The drafter object for a mode (see REGISTRY), over loaded backends."""
     from .drafters.model import ModelDrafter

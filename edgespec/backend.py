@@ -21,6 +21,7 @@ from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from .defaults import ALL_LAYERS, N_CTX
 from .errors import Aborted, BackendError, ModelFileError
 
 log = logging.getLogger("edgespec")
@@ -186,7 +187,7 @@ class Backend(Protocol):
 class LlamaBackend:
     """A loaded GGUF model with its own context, KV cache and batch."""
 
-    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_gpu_layers: int = -1,
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = N_CTX, n_gpu_layers: int = ALL_LAYERS,
                  threads: int | None = None, n_batch: int = 512, flash_attn: str | bool = "off",
                  verbose: bool = False, n_seq: int = 1, repack: bool = True, type_k: str = "f16",
                  type_v: str = "f16"):

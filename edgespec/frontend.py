@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from .assemble import Settings
 from .errors import UsageError
 
 PROG = "edgespec"
@@ -141,16 +142,17 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                        "verify (docs/exactness.md)")
     p.add_argument("--models", metavar="FILE", help="your own models.toml, extending the built-in one "
                    "(also $EDGESPEC_MODELS)")
-    p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=4096, metavar="N",
-                   help="context size in tokens (default 4096)")
+    p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=Settings.n_ctx, metavar="N",
+                   help="context size in tokens (default %(default)s)")
     p.add_argument("--threads", "-t", type=int, default=None, metavar="N",
                    help="CPU threads (default: physical cores)")
-    p.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=int, default=-1, metavar="N",
-                   help="target layers to offload to the GPU; -1 = all, 0 = CPU only (default -1)")
-    p.add_argument("--draft-n-gpu-layers", "-ngld", "--n-gpu-layers-draft", type=int, default=-1, metavar="N",
-                   help="draft layers to offload to the GPU (default -1)")
-    p.add_argument("--gamma", "--draft-max", type=int, default=4, metavar="N",
-                   help="draft length per round for --drafter model/ngram (default 4; auto chooses its own)")
+    p.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=int, default=Settings.n_gpu_layers, metavar="N",
+                   help="target layers to offload to the GPU; -1 = all, 0 = CPU only (default %(default)s)")
+    p.add_argument("--draft-n-gpu-layers", "-ngld", "--n-gpu-layers-draft", type=int,
+                   default=Settings.draft_n_gpu_layers, metavar="N",
+                   help="draft layers to offload to the GPU (default %(default)s)")
+    p.add_argument("--gamma", "--draft-max", type=int, default=Settings.gamma, metavar="N",
+                   help="draft length per round for --drafter model/ngram (default %(default)s; auto chooses its own)")
     from .assemble import BUDGET_FLAGS
     for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: the same on every verb
         p.add_argument(flag, **kw)

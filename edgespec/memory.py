@@ -36,6 +36,7 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
+from .defaults import N_CTX
 from .errors import UsageError
 
 MiB = 2**20
@@ -399,7 +400,7 @@ def _seqs(n: int) -> str:
     return f"{n} sequence" + ("" if n == 1 else "s")
 
 
-def plan(target_info, draft_info=None, *, n_ctx: int = 4096, drafter: str = "auto",
+def plan(target_info, draft_info=None, *, n_ctx: int = N_CTX, drafter: str = "auto",
          budget: int | None = None, gpu_layers: int = 0, draft_gpu_layers: int = 0, flash_attn: str = "off",
          n_seq: int | None = 1, modes=None) -> dict:
     """Every configuration with its estimate, and the one that fits best: the wanted drafter at

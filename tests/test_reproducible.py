@@ -55,7 +55,9 @@ def _load(model, **kw):
     return eng
 
 
-def _check(model, draft, tmp_path):
+def _check(model, draft, tmp_path, long: bool = True):
+    """`long`: also the 2,000-token prompt beside a running answer, and its repeat (the pieces'
+    bookkeeping is the engine's, whatever the model: the Qwen pair checks the copy and the disk)."""
     kw = dict(n_ctx=4096, draft=str(draft) if draft else None)
     got = {}
     with _load(model, parallel=4, **kw) as eng:
@@ -64,12 +66,13 @@ def _check(model, draft, tmp_path):
         next(running)
         joining = eng.stream(p["copy"], max_tokens=N)  # the running one holds 700 of its tokens
         _, got["copy"] = _together(running, joining)
-        running = eng.stream(p["running"], max_tokens=3 * N)
-        next(running)
-        _, got["long"] = _together(running, eng.stream(p["long"], max_tokens=N))
-        got["repeat"] = eng.generate(p["long"], max_tokens=N)
+        if long:
+            running = eng.stream(p["running"], max_tokens=3 * N)
+            next(running)
+            _, got["long"] = _together(running, eng.stream(p["long"], max_tokens=N))
+            got["repeat"] = eng.generate(p["long"], max_tokens=N)
+            assert got["repeat"].stats.reused_prompt_tokens >= len(p["long"]) - PIECE
     assert got["copy"].stats.reused_prompt_tokens >= PIECE  # it did come through the copy
-    assert got["repeat"].stats.reused_prompt_tokens >= len(p["long"]) - PIECE
     with _load(model, parallel=2, cache_dir=str(tmp_path), **kw) as eng:
         eng.generate(p["disk"], max_tokens=N)
     with _load(model, parallel=1, cache_dir=str(tmp_path), **kw) as eng:
@@ -77,6 +80,8 @@ def _check(model, draft, tmp_path):
     assert got["disk"].stats.restored_prompt_tokens >= PIECE
     with _load(model, parallel=1, cache_ram=0, **kw) as eng:
         for name, prompt in (("copy", "copy"), ("long", "long"), ("repeat", "long"), ("disk", "disk2")):
+            if name not in got:
+                continue
             eng.reset()
             alone = eng.generate(p[prompt], max_tokens=N).tokens
             assert got[name].tokens == alone, name

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from ..assemble import Settings
 from ..errors import EdgespecError, UsageError
 from ..frontend import (PROG, ProgressBar, _add_flash_attn_arg, _add_memory_mode_args, _add_model_args,
                         _add_sampling_args, _check_arg_text, _Parser, _RawHelp, _setup_logging, load_engine,
@@ -209,8 +210,8 @@ def _setup_plan(sub) -> None:
     p.add_argument("--target", "-m", "--model", metavar="PATH", help="target GGUF file")
     p.add_argument("--draft", "-md", "--model-draft", metavar="PATH", help="draft GGUF file")
     p.add_argument("--models", metavar="FILE", help="your own models.toml")
-    p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=4096, metavar="N",
-                   help="wanted context size (default 4096)")
+    p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=Settings.n_ctx, metavar="N",
+                   help="wanted context size (default %(default)s)")
     p.add_argument("--drafter", default="auto", metavar="MODE", help="wanted drafter: auto | model | ngram | none")
     from ..assemble import BUDGET_FLAGS, PARALLEL_FLAGS
     for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: as on every other verb

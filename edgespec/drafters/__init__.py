@@ -27,6 +27,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..defaults import GAMMA  # noqa: F401  (the drafters' default length)
 from ..sampling import SamplingParams
 
 

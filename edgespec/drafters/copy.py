@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import Draft, Drafter, Round
+from . import GAMMA, Draft, Drafter, Round
 from .ngram import NgramDrafter, agreed, run_length
 
 ALIGNED_MIN = 12  # agreed tokens before a copy counts as an established alignment
@@ -47,7 +47,7 @@ class CopyDrafter(Drafter):
     name = "copy"
     forks = True
 
-    def __init__(self, gamma: int = 4, ngram: NgramDrafter | None = None):
+    def __init__(self, gamma: int = GAMMA, ngram: NgramDrafter | None = None):
         self.gamma = gamma
         self.ngram = ngram if ngram is not None else NgramDrafter()
         self.reset()

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import BackendError, DamagedModelError
 from ..sampling import SamplingParams, fit, law, sample
-from . import NO_DRAFT, Draft, Drafter, Round
+from . import GAMMA, NO_DRAFT, Draft, Drafter, Round
 
 
 class ModelWant(NamedTuple):
@@ -29,7 +29,7 @@ class ModelDrafter(Drafter):
     name = "model"
     forks = True
 
-    def __init__(self, backend, n_vocab: int, gamma: int = 4):
+    def __init__(self, backend, n_vocab: int, gamma: int = GAMMA):
         # n_vocab: the width of the target's rows; q is zero beyond the draft's own vocabulary.
         # backend: a LlamaBackend (sequence 0) or one sequence of it (backend.SequenceView)
         self.backend = backend

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import Draft, Drafter, Round
+from . import GAMMA, Draft, Drafter, Round
 
 N_MIN = 1
 N_MAX = 8
@@ -83,7 +83,7 @@ class NgramDrafter(Drafter):
     name = "ngram"
     forks = True
 
-    def __init__(self, gamma: int = 4, n_min: int = N_MIN, n_max: int = N_MAX):
+    def __init__(self, gamma: int = GAMMA, n_min: int = N_MIN, n_max: int = N_MAX):
         self.gamma = gamma
         self.index = NgramIndex(n_min, n_max)
         self._args = (gamma, n_min, n_max)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from .defaults import ALL_LAYERS, GAMMA, N_CTX
 from .errors import UsageError
@@ -18,35 +18,45 @@ from .progress import ProgressCallback, log
 
 @dataclass(frozen=True)
 class DrafterKind:
-    """One `--drafter` mode: how to build it, whether it loads a draft model, and which of the
-    memory planner's configurations it is ("model", "ngram" (an index over the context) or "none")."""
+    """One `--drafter` mode: how to build it (`make(target, model, gamma, policy)`: `model` the
+    ModelDrafter over the draft backend or None, `policy()` builds the calibrated policy), whether it
+    loads a draft model, and which of the memory planner's configurations it is ("model", "ngram"
+    (an index over the context) or "none"). A new drafter is a `drafters.Drafter` and one line here."""
 
     name: str
     model: str                  # "needs" | "uses" (when the pair has one) | "no"
     plans_as: str
     help: str
+    make: Callable = field(repr=False, default=lambda target, model, gamma, policy: None)
 
     def build(self, target, model, gamma: int, policy=None):
-        from .drafters.auto import AutoDrafter
-        from .drafters.copy import CopyDrafter
-        from .drafters.ngram import NgramDrafter
-        if self.name == "none":
-            return None
-        if self.name == "model":
-            return model
-        if self.name == "ngram":
-            return NgramDrafter(gamma)
-        if self.name == "copy":
-            return CopyDrafter(gamma)
-        return AutoDrafter(policy(), CopyDrafter(), model)
+        return self.make(target, model, gamma, policy)
+
+
+def _ngram(target, model, gamma, policy):
+    from .drafters.ngram import NgramDrafter
+    return NgramDrafter(gamma)
+
+
+def _copy(target, model, gamma, policy):
+    from .drafters.copy import CopyDrafter
+    return CopyDrafter(gamma)
+
+
+def _auto(target, model, gamma, policy):
+    from .drafters.auto import AutoDrafter
+    from .drafters.copy import CopyDrafter
+    return AutoDrafter(policy(), CopyDrafter(), model)
 
 
 REGISTRY = {k.name: k for k in (
     DrafterKind("auto", "uses", "model", "per round: a copy of the context, the draft model or no draft, from costs "
-                "measured on this device"),
-    DrafterKind("model", "needs", "model", "the draft model, --gamma tokens a round"),
-    DrafterKind("ngram", "no", "ngram", "prompt lookup (n-grams of the context), --gamma tokens a round"),
-    DrafterKind("copy", "no", "ngram", "aligned copies of the prompt or the answer (edits), --gamma tokens a round"),
+                "measured on this device", _auto),
+    DrafterKind("model", "needs", "model", "the draft model, --gamma tokens a round",
+                lambda target, model, gamma, policy: model),
+    DrafterKind("ngram", "no", "ngram", "prompt lookup (n-grams of the context), --gamma tokens a round", _ngram),
+    DrafterKind("copy", "no", "ngram", "aligned copies of the prompt or the answer (edits), --gamma tokens a round",
+                _copy),
     DrafterKind("none", "no", "none", "plain decoding"),
 )}
 DRAFTERS = tuple(REGISTRY)

@@ -4,7 +4,6 @@ library and the server all go through `Settings` and `Engine.from_settings` (whi
 `load_parts`)."""
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -63,57 +62,8 @@ DRAFTERS = tuple(REGISTRY)
 CALIBRATE = ("auto", "now", "never")
 FLASH_ATTN = ("on", "off", "auto")
 DEFAULT_CACHE_MAX = 2**30  # the default prompt cache: at most 1 GiB of host RAM
-# --memory-budget and --cache-ram, defined once for every verb (run, bench, calibrate, serve, plan)
-BUDGET_FLAGS = {
-    "--memory-budget": dict(
-        metavar="SIZE", default=None,
-        help="RAM for the whole process, with a unit: 2GiB, 1500MB, 2g. What fits is chosen by `plan`'s rule "
-        "(draft model, then n-gram drafting, then plain decoding), after the prompt cache's share (--cache-ram) "
-        "is set aside. Default: no limit (`plan`: the RAM available now)"),
-    "--cache-ram": dict(
-        metavar="SIZE", default=None,
-        help="host RAM kept for the prompt cache, the KV caches of prompts and conversations that may come back "
-        "(e.g. 512MiB; 0 = off); it is taken out of --memory-budget before the models are fitted. Default: a "
-        f"tenth of --memory-budget or of the free RAM, at most {DEFAULT_CACHE_MAX // 2**30} GiB"),
-}
-# the memory modes' flags (llama-server's names), for every verb that loads or plans models
 KV_TYPE_NAMES = ("f16", "q8_0", "q4_0")  # backend.KV_TYPES, without importing llama.cpp
-MEMORY_MODE_FLAGS = {
-    ("--no-repack",): dict(
-        dest="repack", action="store_false", default=True,
-        help="keep no repacked copy of the weights (llama.cpp's CPU_REPACK buffer): the weights' memory once, "
-        "not twice for Q4_0/Q4_K models (about 600 MiB less for Qwen2.5-Coder-1.5B), at some speed "
-        "(docs/memory.md#memory-modes). Default: repacked"),
-    ("--cache-type-k", "-ctk"): dict(
-        metavar="TYPE", default="f16", choices=KV_TYPE_NAMES,
-        help="the target's K cache element type: f16, q8_0 (34/64 of f16's bytes) or q4_0 (18/64); default f16"),
-    ("--cache-type-v", "-ctv"): dict(
-        metavar="TYPE", default="f16", choices=KV_TYPE_NAMES,
-        help="the target's V cache element type, as -ctk; a quantized V needs flash attention (auto becomes on); "
-        "default f16"),
-    ("--cache-type-k-draft", "-ctkd"): dict(
-        metavar="TYPE", default=None, choices=KV_TYPE_NAMES,
-        help="the draft model's K cache element type (default: the target's, -ctk)"),
-    ("--cache-type-v-draft", "-ctvd"): dict(
-        metavar="TYPE", default=None, choices=KV_TYPE_NAMES,
-        help="the draft model's V cache element type (default: the target's, -ctv)"),
-}
 MAX_PARALLEL = 64
-# --parallel, for the verbs that serve several requests at once (serve) and `plan`; run, the chat
-# and bench hold one conversation and plan for one sequence (Settings(parallel=1))
-PARALLEL_FLAGS = {
-    ("--parallel", "-np"): dict(
-        type=int, default=None, metavar="N",
-        help="requests generated at once (1..64), each with its own --ctx tokens: both models' KV caches grow "
-        "N-fold, the weights do not (docs/memory.md). Default: as many as the memory budget allows with the "
-        "wanted drafter and context, at most 4 (1 when not even one fits)"),
-    ("--parallel-exact",): dict(
-        action=argparse.BooleanOptionalAction, default=None,
-        help="each request's rows (and draft steps) in passes of their own, planned as if alone, so that a "
-        "greedy answer given beside others equals its answer alone (llama.cpp computes a row beside another "
-        "request's rows otherwise: a near-tie can flip). On by default; --no-parallel-exact shares the passes "
-        "for more throughput at once (docs/exactness.md)"),
-}
 
 
 def cpu_count() -> int:

@@ -203,7 +203,7 @@ class Engine(PromptBuilder):
         if self.parallel > 1 and drafter is not None and not drafter.forks:
             raise UsageError(f"the {drafter.name} drafter cannot draft for several sequences: use parallel=1")
         self._lanes = {0: drafter}
-        self._slot = threading.Condition()   # admission: who may generate now
+        self._admission = threading.Condition()   # admission: who may generate now
         self._active: list = []              # admitted streams (or one _Placeholder)
         self._work = threading.RLock()       # held while a backend is in use (a round, reset, close)
         self._round_done = threading.Condition()  # notified after every round: readers waiting for tokens
@@ -286,14 +286,14 @@ class Engine(PromptBuilder):
 
     def close(self) -> None:
         """Cancel what runs, wait for its round to end, free the models. Idempotent."""
-        with self._slot:
+        with self._admission:
             if self._closed:
                 return
             self._closed = True
             active = list(self._active)
             for a in active:
                 a.cancel()
-            self._slot.notify_all()
+            self._admission.notify_all()
         with self._readers_idle:
             while self._readers:  # a tokenization in progress reads the vocabulary about to be freed
                 self._readers_idle.wait()
@@ -346,7 +346,7 @@ class Engine(PromptBuilder):
         open streams hold the places, its oldest is made outdated (resuming it raises) instead:
         one thread waiting for itself would wait forever."""
         me = threading.get_ident()
-        with self._slot:
+        with self._admission:
             while True:
                 self._check_open()
                 active = self._active
@@ -361,13 +361,13 @@ class Engine(PromptBuilder):
                         "finished; read streams to their end or close() them"))
                     self._drop(old)
                     continue
-                self._slot.wait()
+                self._admission.wait()
             holder = stream if stream is not None else _Placeholder(me)
             active.append(holder)
         return self._Turn(self, holder)
 
     def _release(self, holder) -> None:
-        with self._slot:
+        with self._admission:
             self._drop(holder)
 
     def _drop(self, holder) -> None:
@@ -376,7 +376,7 @@ class Engine(PromptBuilder):
             g = holder.generation
             if g is not None and not g.finished:
                 rounds.finish(g, None)
-            self._slot.notify_all()
+            self._admission.notify_all()
 
     # -- generation -----------------------------------------------------------------------
     # Options (or one `request=Request.build(...)`): max_tokens=128, temperature=0.0, top_k=0,
@@ -444,7 +444,7 @@ class Engine(PromptBuilder):
     def _wanted(self) -> bool:
         """Whether a round is wanted: a running generation has no committed token left to read
         (a reader is at most one round behind; a stream nobody reads does not run on)."""
-        with self._slot:
+        with self._admission:
             return any(a.generation is not None and not a.generation.finished and not a.generation.out
                        for a in self._active)
 
@@ -464,7 +464,7 @@ class Engine(PromptBuilder):
             if not self._closed and self._wanted():
                 self._advance()
         except BaseException as exc:  # not one generation's failure (those end in rounds): all of them
-            with self._slot:
+            with self._admission:
                 gens = [a.generation for a in self._active if a.generation is not None]
             for g in gens:
                 if not g.finished:
@@ -480,7 +480,7 @@ class Engine(PromptBuilder):
         """One round for every admitted generation (under `_work`, on the llama.cpp thread):
         those that just came in first get their prompt in, then all of them draft and share one
         verifying pass."""
-        with self._slot:
+        with self._admission:
             gens = [a.generation for a in self._active if a.generation is not None]
         # a long prompt goes in by pieces, one an _advance: n_batch tokens (llama.cpp's own cut), so a
         # request arriving meanwhile joins; PIECE beside running generations, whose rounds wait for it

@@ -7,8 +7,59 @@ import argparse
 import logging
 import sys
 
-from .assemble import Settings
+from .assemble import DEFAULT_CACHE_MAX, KV_TYPE_NAMES, Settings
 from .errors import UsageError
+
+# --memory-budget and --cache-ram, defined once for every verb (run, bench, calibrate, serve, plan)
+BUDGET_FLAGS = {
+    "--memory-budget": dict(
+        metavar="SIZE", default=None,
+        help="RAM for the whole process, with a unit: 2GiB, 1500MB, 2g. What fits is chosen by `plan`'s rule "
+        "(draft model, then n-gram drafting, then plain decoding), after the prompt cache's share (--cache-ram) "
+        "is set aside. Default: no limit (`plan`: the RAM available now)"),
+    "--cache-ram": dict(
+        metavar="SIZE", default=None,
+        help="host RAM kept for the prompt cache, the KV caches of prompts and conversations that may come back "
+        "(e.g. 512MiB; 0 = off); it is taken out of --memory-budget before the models are fitted. Default: a "
+        f"tenth of --memory-budget or of the free RAM, at most {DEFAULT_CACHE_MAX // 2**30} GiB"),
+}
+# the memory modes' flags (llama-server's names), for every verb that loads or plans models
+MEMORY_MODE_FLAGS = {
+    ("--no-repack",): dict(
+        dest="repack", action="store_false", default=True,
+        help="keep no repacked copy of the weights (llama.cpp's CPU_REPACK buffer): the weights' memory once, "
+        "not twice for Q4_0/Q4_K models (about 600 MiB less for Qwen2.5-Coder-1.5B), at some speed "
+        "(docs/memory.md#memory-modes). Default: repacked"),
+    ("--cache-type-k", "-ctk"): dict(
+        metavar="TYPE", default="f16", choices=KV_TYPE_NAMES,
+        help="the target's K cache element type: f16, q8_0 (34/64 of f16's bytes) or q4_0 (18/64); default f16"),
+    ("--cache-type-v", "-ctv"): dict(
+        metavar="TYPE", default="f16", choices=KV_TYPE_NAMES,
+        help="the target's V cache element type, as -ctk; a quantized V needs flash attention (auto becomes on); "
+        "default f16"),
+    ("--cache-type-k-draft", "-ctkd"): dict(
+        metavar="TYPE", default=None, choices=KV_TYPE_NAMES,
+        help="the draft model's K cache element type (default: the target's, -ctk)"),
+    ("--cache-type-v-draft", "-ctvd"): dict(
+        metavar="TYPE", default=None, choices=KV_TYPE_NAMES,
+        help="the draft model's V cache element type (default: the target's, -ctv)"),
+}
+# --parallel, for the verbs that serve several requests at once (serve) and `plan`; run, the chat
+# and bench hold one conversation and plan for one sequence (Settings(parallel=1))
+PARALLEL_FLAGS = {
+    ("--parallel", "-np"): dict(
+        type=int, default=None, metavar="N",
+        help="requests generated at once (1..64), each with its own --ctx tokens: both models' KV caches grow "
+        "N-fold, the weights do not (docs/memory.md). Default: as many as the memory budget allows with the "
+        "wanted drafter and context, at most 4 (1 when not even one fits)"),
+    ("--parallel-exact",): dict(
+        action=argparse.BooleanOptionalAction, default=None,
+        help="each request's rows (and draft steps) in passes of their own, planned as if alone, so that a "
+        "greedy answer given beside others equals its answer alone (llama.cpp computes a row beside another "
+        "request's rows otherwise: a near-tie can flip). On by default; --no-parallel-exact shares the passes "
+        "for more throughput at once (docs/exactness.md)"),
+}
+
 
 PROG = "edgespec"
 
@@ -153,7 +204,6 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                    help="draft layers to offload to the GPU (default %(default)s)")
     p.add_argument("--gamma", "--draft-max", type=int, default=Settings.gamma, metavar="N",
                    help="draft length per round for --drafter model/ngram (default %(default)s; auto chooses its own)")
-    from .assemble import BUDGET_FLAGS
     for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: the same on every verb
         p.add_argument(flag, **kw)
     _add_flash_attn_arg(p)
@@ -163,7 +213,6 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
 
 def _add_memory_mode_args(p: argparse.ArgumentParser) -> None:
     """--no-repack, -ctk/-ctv and the draft's -ctkd/-ctvd: the memory modes (llama-server's names)."""
-    from .assemble import MEMORY_MODE_FLAGS
     for flags, kw in MEMORY_MODE_FLAGS.items():
         p.add_argument(*flags, **kw)
 

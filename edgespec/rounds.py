@@ -87,7 +87,8 @@ def step(target, gens: list[Generation], width: int, exact: bool = False) -> Non
         if part is not None and cut is not None and len(cut) > 1:
             g.stats.exact_cuts += 1
         try:
-            logits = _laws(draft.tokens, next(got) if part is not None else None, ask, known, masks, target.n_vocab)
+            got_rows = next(got) if part is not None else None
+            logits = _logit_rows(draft.tokens, got_rows, ask, known, masks, target.n_vocab)
             if ask:
                 g.stats.target_forwards += 1
                 check_finite(target, logits)
@@ -277,7 +278,7 @@ def _feed(g: Generation, target, drafts: list[int], masks):
     return (g.seq, pending + drafts, [len(pending) - 1 + i for i in open_rows]), open_rows, {}
 
 
-def _laws(drafts, got, ask, known: dict, masks, n_vocab: int) -> np.ndarray:
+def _logit_rows(drafts, got, ask, known: dict, masks, n_vocab: int) -> np.ndarray:
     """The k + 1 rows of logits: the pass's rows (`got`, for the rows asked), the rows known
     before it, and a point mass on its one legal token for a row the mask decides."""
     logits = np.empty((len(drafts) + 1, n_vocab), dtype=np.float32)

@@ -213,7 +213,7 @@ def _setup_plan(sub) -> None:
     p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=Settings.n_ctx, metavar="N",
                    help="wanted context size (default %(default)s)")
     p.add_argument("--drafter", default="auto", metavar="MODE", help="wanted drafter: auto | model | ngram | none")
-    from ..assemble import BUDGET_FLAGS, PARALLEL_FLAGS
+    from ..frontend import BUDGET_FLAGS, PARALLEL_FLAGS
     for flag, kw in BUDGET_FLAGS.items():  # --memory-budget, --cache-ram: as on every other verb
         p.add_argument(flag, **kw)
     for flags, kw in PARALLEL_FLAGS.items():  # --parallel: as `serve` takes it

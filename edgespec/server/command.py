@@ -41,7 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..assemble import PARALLEL_FLAGS
+    from ..frontend import PARALLEL_FLAGS
     from ..frontend import _add_model_args
     _add_model_args(p)
     p.add_argument("--host", default=DEFAULT_HOST, metavar="ADDR",

@@ -7,7 +7,7 @@ import json
 
 import edgespec.server.app as app_mod
 from edgespec.server import anthropic, responses, worker
-from edgespec.server.schemas import Envelope
+from edgespec.server.openai import Envelope
 
 
 class SlowJob:

@@ -1,7 +1,7 @@
 """Anthropic's Messages API (`POST /v1/messages`), as coding agents (Claude Code) speak it.
 
 The body is translated into the OpenAI chat request this server already checks and answers
-(schemas.ChatRequest): `system` becomes the first message, `tool_use` blocks an assistant turn's
+(openai.ChatRequest): `system` becomes the first message, `tool_use` blocks an assistant turn's
 `tool_calls`, `tool_result` blocks `tool` turns, `tools[].input_schema` the functions'
 parameters, `tool_choice` auto / any / tool / none -> auto / required / the function / none.
 Tool calls therefore go through the same constrained machinery, in the model's own format. The
@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 from pydantic import ConfigDict
 
-from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, check_extra_fields, timings
+from .openai import ChatRequest
+from .schemas import ApiError, Shape as _Shape, _Body, check_extra_fields, timings
 
 log = logging.getLogger("edgespec.server")
 

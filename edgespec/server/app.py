@@ -33,7 +33,8 @@ from . import worker
 from .guard import Guard, HostRule
 from . import anthropic, ollama, responses
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .schemas import ApiError, ChatRequest, CompletionRequest, Envelope, Shape
+from .openai import ChatRequest, CompletionRequest, Envelope
+from .schemas import ApiError, Shape
 
 log = logging.getLogger("edgespec.server")
 

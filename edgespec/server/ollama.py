@@ -1,7 +1,7 @@
 """Ollama's API (`/api/...`), as desktop apps and the official `ollama` client speak it.
 
 `POST /api/chat` and `POST /api/generate` are translated into the OpenAI chat request this server
-already checks and answers (schemas.ChatRequest; a `raw` generate into its text completion), so
+already checks and answers (openai.ChatRequest; a `raw` generate into its text completion), so
 they run through the same chat template, prompt cache, speculation, constraints (`format`: "json"
 or a JSON Schema) and tool calls; answers come back in Ollama's shape (`Shape`), streamed by
 default as newline-delimited JSON objects, the last one with `done: true`, Ollama's counts and
@@ -35,7 +35,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.responses import StreamingResponse
 
-from .schemas import ApiError, ChatRequest, CompletionRequest, Shape as _Shape, check_extra_fields, timings
+from .openai import ChatRequest, CompletionRequest
+from .schemas import ApiError, Shape as _Shape, check_extra_fields, timings
 
 # the Ollama API this follows (VS Code's Ollama provider wants >= 0.6.4)
 OLLAMA_VERSION = "0.12.0"

@@ -21,7 +21,8 @@ from typing import Any, Optional, Union
 
 from pydantic import ConfigDict, PrivateAttr
 
-from .schemas import ApiError, ChatRequest, Shape as _Shape, _Body, check_extra_fields, timings
+from .openai import ChatRequest
+from .schemas import ApiError, Shape as _Shape, _Body, check_extra_fields, timings
 
 log = logging.getLogger("edgespec.server")
 

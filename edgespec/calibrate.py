@@ -187,149 +187,183 @@ def measure(target, draft=None, *, max_rows: int = MAX_ROWS, rows: tuple[int, ..
             meter: Optional[LoadMeter] = None, sleep=time.sleep) -> Calibration:
     """Time target passes returning logits for a sample of row counts (the rest interpolated)
     and draft steps, robustly: see the module's docstring. `progress(done, total, detail)`."""
-    max_rows = max(1, min(max_rows, target.n_ctx // 2))
-    sample = sorted({k for k in rows if k <= max_rows} | {1, max_rows})
-    filler = target.tokenize(FILLER * 8, add_bos=True)[:min(64, target.n_ctx - max_rows)]
-    batch = (target.tokenize(FILLER * 8, add_bos=False) * 2)[:max_rows]
-    meter = meter or LoadMeter()
-    limit = contention_limit(getattr(target, "threads", None) or os.cpu_count() or 1)
-    t_start = clock()
-    target.reset()
-    target.eval(filler, [])
-    base = target.n_past
-    dbase = None
-    if draft is not None:
-        draft.reset()
-        draft.eval(filler, [])
-        dbase = draft.n_past
+    m = _Measurement(target, draft, max_rows, rows, sweeps, time_budget, progress, clock, meter or LoadMeter())
+    m.warm_up()
+    busy = m.wait_for_quiet(sleep)
+    if busy:
+        cal = _under_load(target, draft, m.warm, m.max_rows, busy, clock() - m.t_start)
+        m.finish()
+        return cal
+    m.sweep(max_sweeps)
+    m.again()
+    cal = m.result()
+    m.finish()
+    return cal
 
-    def verify(k):
-        target.truncate(base)
-        t = clock()
-        target.eval(batch[:k], range(k))
-        return clock() - t
 
-    def step(n=1):
-        draft.truncate(dbase)
-        t = clock()
-        draft.eval(batch[:n], [n - 1])
-        return clock() - t
+class _Measurement:
+    """One calibration's passes and what they gave: `measure` runs its phases in order (warm-up,
+    a wait for a quiet machine, sweeps over the sampled row counts, a second look at the counts whose
+    repeats disagree, the figures)."""
 
-    clean: list[bool] = []  # per sweep: did it run without other processes taking the CPU
-    # the progress total is fixed by the first report (a bar that grows goes backwards): the
-    # warm-up and the planned sweeps; passes beyond the plan close in on it, the end reaches it
-    planned = len(sample) * sweeps + WARM_STEPS
-    done = 0
-
-    def tick(detail, warming=False):
-        nonlocal done
-        done = min(done + 1, WARM_STEPS - 1) if warming else done + 1
-        if progress:
-            progress(_shown(done, planned), planned, detail)
-
-    def finish():
-        if progress:
-            progress(planned, planned, "done")
-
-    def over_budget():
-        # until two sweeps ran undisturbed, up to twice the budget: a busy spell may pass
-        return clock() - t_start > (time_budget if sum(clean) >= 2 else 2 * time_budget)
-
-    # warm-up: kernels, buffers, CPU clocks; until a small and a large pass both settle
-    meter.reset()
-    warm: dict[int, list[float]] = {k: [] for k in sorted({1, min(8, max_rows)})}
-    for i in range(12):
-        for k in warm:
-            warm[k].append(verify(k))
+    def __init__(self, target, draft, max_rows, rows, sweeps, time_budget, progress, clock, meter):
+        self.target, self.draft, self.clock, self.meter, self.progress = target, draft, clock, meter, progress
+        self.max_rows = max_rows = max(1, min(max_rows, target.n_ctx // 2))
+        self.sample = sorted({k for k in rows if k <= max_rows} | {1, max_rows})
+        self.sweeps, self.time_budget = sweeps, time_budget
+        filler = target.tokenize(FILLER * 8, add_bos=True)[:min(64, target.n_ctx - max_rows)]
+        self.batch = (target.tokenize(FILLER * 8, add_bos=False) * 2)[:max_rows]
+        self.limit = contention_limit(getattr(target, "threads", None) or os.cpu_count() or 1)
+        self.t_start = clock()
+        target.reset()
+        target.eval(filler, [])
+        self.base = target.n_past
+        self.dbase = None
         if draft is not None:
-            step()
-        tick("warming up", warming=True)
-        if all(_settled(v) for v in warm.values()) or clock() - t_start > WARM_BUDGET:
-            break
-    done = max(done, WARM_STEPS)
-    busy = _contended(meter.others(), limit)
-    if busy:  # give a passing spell a moment to end before concluding anything
-        for _ in range(int(WAIT / 0.5)):
-            meter.reset()
+            draft.reset()
+            draft.eval(filler, [])
+            self.dbase = draft.n_past
+        self.clean: list[bool] = []  # per sweep: did it run without other processes taking the CPU
+        self.seen: list[dict[int, list[float]]] = []  # per sweep: row count -> its timings
+        self.steps: list[float] = []
+        self.batches: list[float] = []  # the draft model catching up on CATCH_UP_BATCH tokens at once
+        self.loads: list[Optional[float]] = []
+        self.warm: dict[int, list[float]] = {}
+        # the progress total is fixed by the first report (a bar that grows goes backwards): the
+        # warm-up and the planned sweeps; passes beyond the plan close in on it, the end reaches it
+        self.planned = len(self.sample) * sweeps + WARM_STEPS
+        self.done = 0
+
+    # -- one pass, one step, the bar ------------------------------------------------------------
+    def verify(self, k: int) -> float:
+        self.target.truncate(self.base)
+        t = self.clock()
+        self.target.eval(self.batch[:k], range(k))
+        return self.clock() - t
+
+    def step(self, n: int = 1) -> float:
+        self.draft.truncate(self.dbase)
+        t = self.clock()
+        self.draft.eval(self.batch[:n], [n - 1])
+        return self.clock() - t
+
+    def tick(self, detail: str, warming: bool = False) -> None:
+        self.done = min(self.done + 1, WARM_STEPS - 1) if warming else self.done + 1
+        if self.progress:
+            self.progress(_shown(self.done, self.planned), self.planned, detail)
+
+    def finish(self) -> None:
+        if self.progress:
+            self.progress(self.planned, self.planned, "done")
+
+    def over_budget(self) -> bool:
+        # until two sweeps ran undisturbed, up to twice the budget: a busy spell may pass
+        budget = self.time_budget if sum(self.clean) >= 2 else 2 * self.time_budget
+        return self.clock() - self.t_start > budget
+
+    # -- the phases -------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Kernels, buffers, CPU clocks: until a small and a large pass both settle."""
+        self.meter.reset()
+        self.warm = {k: [] for k in sorted({1, min(8, self.max_rows)})}
+        for _ in range(12):
+            for k in self.warm:
+                self.warm[k].append(self.verify(k))
+            if self.draft is not None:
+                self.step()
+            self.tick("warming up", warming=True)
+            if all(_settled(v) for v in self.warm.values()) or self.clock() - self.t_start > WARM_BUDGET:
+                break
+        self.done = max(self.done, WARM_STEPS)
+
+    def wait_for_quiet(self, sleep) -> float:
+        """The other processes' load (0: quiet), after giving a passing spell a moment to end."""
+        busy = _contended(self.meter.others(), self.limit)
+        for _ in range(int(WAIT / 0.5)) if busy else ():
+            self.meter.reset()
             sleep(0.5)
-            busy = _contended(meter.others(), limit)
+            busy = _contended(self.meter.others(), self.limit)
             if not busy:
                 break
-    if busy:
-        cal = _under_load(target, draft, warm, max_rows, busy, clock() - t_start)
-        finish()
-        return cal
+        return busy
 
-    sweeps_seen: list[dict[int, list[float]]] = []  # per sweep: row count -> its timings
-    steps: list[float] = []
-    batches: list[float] = []  # the draft model catching up on CATCH_UP_BATCH tokens at once
-    loads: list[Optional[float]] = []
-    while not (sweeps_seen and over_budget()):
-        n = len(sweeps_seen)
-        order = sample[n % len(sample):] + sample[:n % len(sample)]
-        if n % 2:
-            order.reverse()
-        meter.reset()
-        times: dict[int, list[float]] = {k: [] for k in sample}
-        for i, k in enumerate(order):
-            if i and over_budget():  # a pass under heavy load can take seconds: stop where we are
+    def sweep(self, max_sweeps: int) -> None:
+        """Sweeps over the sampled row counts (rotated, every other one reversed) until enough ran
+        undisturbed and agree, or the budget is spent."""
+        sample = self.sample
+        while not (self.seen and self.over_budget()):
+            n = len(self.seen)
+            order = sample[n % len(sample):] + sample[:n % len(sample)]
+            if n % 2:
+                order.reverse()
+            self.meter.reset()
+            times: dict[int, list[float]] = {k: [] for k in sample}
+            for i, k in enumerate(order):
+                if i and self.over_budget():  # a pass under heavy load can take seconds: stop where we are
+                    break
+                times[k].append(self.verify(k))
+                if i == len(order) // 2 and k != 1:  # single-token passes are cheap and decide most
+                    times[1].append(self.verify(1))
+                self.tick(f"target pass with {k} rows")
+            if self.draft is not None:
+                self.steps.extend(self.step() for _ in range(3))
+                self.batches.append(self.step(CATCH_UP_BATCH))
+            other = self.meter.others()
+            self.loads.append(other)
+            self.clean.append(not _contended(other, self.limit))
+            self.seen.append(times)
+            if len(self.seen) >= max_sweeps:
                 break
-            times[k].append(verify(k))
-            if i == len(order) // 2 and k != 1:  # single-token passes are cheap and decide most
-                times[1].append(verify(1))
-            tick(f"target pass with {k} rows")
-        if draft is not None:
-            steps.extend(step() for _ in range(3))
-            batches.append(step(CATCH_UP_BATCH))
-        other = meter.others()
-        loads.append(other)
-        clean.append(not _contended(other, limit))
-        sweeps_seen.append(times)
-        if len(sweeps_seen) >= max_sweeps:
-            break
-        if len(sweeps_seen) >= sweeps and sum(clean) >= 2 and not _doubts(_figures(sweeps_seen, clean)[1]):
-            break
-    n = len(sweeps_seen)
-    # row counts whose repeats disagree get two passes more, in a sweep of their own
-    _, spread = _figures(sweeps_seen, clean)
-    again = [k for k, (_, r) in spread.items() if r > SPREAD]
-    if again and not over_budget():
-        extra: dict[int, list[float]] = {k: [] for k in sample}
+            if (len(self.seen) >= self.sweeps and sum(self.clean) >= 2
+                    and not _doubts(_figures(self.seen, self.clean)[1])):
+                break
+
+    def again(self) -> None:
+        """Row counts whose repeats disagree get two passes more, in a sweep of their own."""
+        _, spread = _figures(self.seen, self.clean)
+        again = [k for k, (_, r) in spread.items() if r > SPREAD]
+        if not again or self.over_budget():
+            return
+        extra: dict[int, list[float]] = {k: [] for k in self.sample}
         for _ in range(2):
             for k in again:
-                extra[k].append(verify(k))
-                tick(f"target pass with {k} rows, again")
-        sweeps_seen.append(extra)
-        clean.append(True)
-        loads.append(None)
-    figures, spread = _figures(sweeps_seen, clean)
-    doubts = _doubts(spread)
-    ones = figures[1]
-    bigger = min((v for k, v in figures.items() if k > 1), default=ones)
-    if ones > bigger:  # a 1-row pass cannot cost more than a bigger one
-        figures[1] = bigger
-    per_row = _row_overhead(target.n_vocab, clock)
-    verify_costs = tuple(c + k * per_row for k, c in enumerate(_interpolate(figures, max_rows), 1))
-    draft_step = prefill = None
-    if draft is not None:
-        one = median(steps)
-        prefill = max(0.0, median(batches) - one) / (CATCH_UP_BATCH - 1)
-        draft_step = one + _row_overhead(draft.n_vocab, clock)
-        draft.reset()
-    target.reset()
-    provisional = sum(clean) < 2 or bool(doubts)
-    if sum(clean) < 2:
-        doubts.append(f"other processes used the CPU in {n - sum(clean)} of {n} sweeps")
-    info = {"rows": sample, "sweeps": n, "clean_sweeps": sum(clean),
-            "other_load_cores": [None if x is None else round(x, 2) for x in loads],
-            "seconds": round(clock() - t_start, 2), "doubts": doubts,
-            "pass_ms": {str(k): round(1000 * v, 2) for k, v in figures.items()}}
-    if provisional:
-        # info, not warning: nothing for the user to do, the engine corrects it as it runs
-        log.info("the calibration may be off (%s): it is used as provisional, corrected as the engine runs "
-                    "and measured again at the next load", "; ".join(doubts))
-    finish()
-    return Calibration(Costs(verify_costs, draft_step, prefill), "calibrated", provisional, info)
+                extra[k].append(self.verify(k))
+                self.tick(f"target pass with {k} rows, again")
+        self.seen.append(extra)
+        self.clean.append(True)
+        self.loads.append(None)
+
+    def result(self) -> Calibration:
+        target, draft, clock = self.target, self.draft, self.clock
+        n = len(self.seen) - (1 if self.loads and self.loads[-1] is None else 0)
+        figures, spread = _figures(self.seen, self.clean)
+        doubts = _doubts(spread)
+        ones = figures[1]
+        bigger = min((v for k, v in figures.items() if k > 1), default=ones)
+        if ones > bigger:  # a 1-row pass cannot cost more than a bigger one
+            figures[1] = bigger
+        per_row = _row_overhead(target.n_vocab, clock)
+        verify_costs = tuple(c + k * per_row for k, c in enumerate(_interpolate(figures, self.max_rows), 1))
+        draft_step = prefill = None
+        if draft is not None:
+            one = median(self.steps)
+            prefill = max(0.0, median(self.batches) - one) / (CATCH_UP_BATCH - 1)
+            draft_step = one + _row_overhead(draft.n_vocab, clock)
+            draft.reset()
+        target.reset()
+        clean = self.clean
+        provisional = sum(clean) < 2 or bool(doubts)
+        if sum(clean) < 2:
+            doubts.append(f"other processes used the CPU in {n - sum(clean[:n])} of {n} sweeps")
+        info = {"rows": self.sample, "sweeps": n, "clean_sweeps": sum(clean),
+                "other_load_cores": [None if x is None else round(x, 2) for x in self.loads],
+                "seconds": round(clock() - self.t_start, 2), "doubts": doubts,
+                "pass_ms": {str(k): round(1000 * v, 2) for k, v in figures.items()}}
+        if provisional:
+            # info, not warning: nothing for the user to do, the engine corrects it as it runs
+            log.info("the calibration may be off (%s): it is used as provisional, corrected as the engine runs "
+                     "and measured again at the next load", "; ".join(doubts))
+        return Calibration(Costs(verify_costs, draft_step, prefill), "calibrated", provisional, info)
 
 
 def _shown(done: int, total: int) -> int:

@@ -56,3 +56,18 @@ def test_the_shipped_session_is_codex_at_work():
     # a tool result goes back in a later turn (a file was written by a shell command)
     outputs = [i for t in session for i in t["body"]["input"] if i.get("type") == "function_call_output"]
     assert outputs
+
+
+def test_a_refused_request_is_reported_and_left_out_of_the_ratios():
+    """llama-server answers 400 to Codex's side request: the session goes on, the refusal is
+    counted, and the ratios compare only the requests every server answered."""
+    from edgespec.bench.agent import format_table, summarize
+    ok = lambda total, ttft=1.0, n=10: {"ttft": ttft, "total": total, "output_tokens": n}  # noqa: E731
+    results = {"edgespec none": [ok(100.0), ok(50.0), ok(10.0)],
+               "llama-server ngram-mod": [ok(80.0), {"error": "/v1/responses answered 400"}, ok(10.0)]}
+    s = summarize(results)
+    theirs = s["llama-server ngram-mod"]
+    assert theirs["refused"] == 1 and theirs["total_s"] == 90.0 and theirs["common_s"] == 90.0
+    assert s["edgespec none"]["common_s"] == 110.0 and s["edgespec none"]["total_s"] == 160.0
+    assert abs(s["edgespec none"]["vs_llama_server_best"] - 110.0 / 90.0) < 1e-9
+    assert "every server answered" in format_table(s)

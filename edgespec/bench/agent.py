@@ -53,6 +53,10 @@ def load_session(path: Path) -> list[dict]:
     return out
 
 
+class Refused(Exception):
+    """A server answered a recorded request with an error: recorded as such, the session goes on."""
+
+
 def replay(url: str, turn: dict, timeout: float = 3600) -> dict:
     """One recorded request, streamed at T = 0: {ttft, total, output_tokens, prompt_tokens, cached}."""
     import httpx
@@ -65,7 +69,7 @@ def replay(url: str, turn: dict, timeout: float = 3600) -> dict:
                       headers={"anthropic-version": "2023-06-01"}) as r:
         if r.status_code != 200:
             r.read()
-            raise UsageError(f"{url}{turn['path']} answered {r.status_code}: {r.text[:300]}")
+            raise Refused(f"{turn['path']} answered {r.status_code}: {r.text[:300]}")
         for line in r.iter_lines():
             if not line.startswith("data:"):
                 continue
@@ -147,16 +151,25 @@ def run(settings, session: list[dict], out: Path, peer: bool = False, llama_serv
         server = Served(name, cmd + ["--port", str(port)], port, logs / (re.sub(r"\W+", "-", name) + ".log"))
         try:
             server.wait_ready()
-            turns = []
+            turns = results[name] = []
             for i, turn in enumerate(session, 1):
-                turns.append(replay(server.url, turn))
-                t = turns[-1]
+                try:
+                    t = replay(server.url, turn)
+                except Refused as exc:  # the server cannot serve this request: said, and the session goes on
+                    turns.append({"error": str(exc)})
+                    print(f"bench: {name}: request {i}/{len(session)}: refused: {exc}", file=sys.stderr, flush=True)
+                    continue
+                turns.append(t)
                 print(f"bench: {name}: request {i}/{len(session)}: first token {t['ttft']:.1f} s, "
                       f"{t['output_tokens']} tokens, {t['total']:.1f} s", file=sys.stderr, flush=True)
-            results[name] = turns
         finally:
             server.stop()
-    report = {"target": str(target), "draft": str(draft) if draft else None, "n_ctx": settings.n_ctx,
+            _write(out, target, draft, settings.n_ctx, threads, session, results)  # what ran so far, kept
+    return _write(out, target, draft, settings.n_ctx, threads, session, results)
+
+
+def _write(out: Path, target, draft, n_ctx: int, threads: int, session: list, results: dict) -> dict:
+    report = {"target": str(target), "draft": str(draft) if draft else None, "n_ctx": n_ctx,
               "threads": threads, "requests": len(session), "servers": results, "summary": summarize(results)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -169,31 +182,40 @@ def _threads() -> int:
 
 
 def summarize(results: dict[str, list[dict]]) -> dict:
-    """Per server: the session's total time, its summed TTFT, its decode rate over all turns; ratios of
-    totals to edgespec none and to llama-server's faster mode."""
+    """Per server: the session's total time, its summed TTFT, its decode rate over the turns it
+    answered, and how many it refused. Ratios compare the requests every server answered (a server
+    that refused a long request would otherwise look faster): to edgespec none, and to llama-server's
+    faster mode."""
+    answered = [i for i in range(max((len(t) for t in results.values()), default=0))
+                if all(i < len(t) and "error" not in t[i] for t in results.values())]
     out = {}
     for name, turns in results.items():
-        decode_time = sum(t["total"] - t["ttft"] for t in turns)
-        tokens = sum(t["output_tokens"] for t in turns)
-        out[name] = {"total_s": sum(t["total"] for t in turns), "ttft_s": sum(t["ttft"] for t in turns),
-                     "decode_tps": tokens / decode_time if decode_time > 0 else None}
-    plain = out.get("edgespec none", {}).get("total_s")
-    theirs = [out[n]["total_s"] for n in THEIRS if n in out]
+        ok = [t for t in turns if "error" not in t]
+        decode_time = sum(t["total"] - t["ttft"] for t in ok)
+        tokens = sum(t["output_tokens"] for t in ok)
+        out[name] = {"total_s": sum(t["total"] for t in ok), "ttft_s": sum(t["ttft"] for t in ok),
+                     "decode_tps": tokens / decode_time if decode_time > 0 else None,
+                     "refused": len(turns) - len(ok),
+                     "common_s": sum(turns[i]["total"] for i in answered)}
+    plain = out.get("edgespec none", {}).get("common_s")
+    theirs = [out[n]["common_s"] for n in THEIRS if n in out]
     best = min(theirs) if theirs else None
     for s in out.values():
-        s["vs_plain"] = s["total_s"] / plain if plain else None
-        s["vs_llama_server_best"] = s["total_s"] / best if best else None
+        s["vs_plain"] = s["common_s"] / plain if plain else None
+        s["vs_llama_server_best"] = s["common_s"] / best if best else None
     return out
 
 
 def format_table(summary: dict) -> str:
-    head = ("server", "total s", "TTFT s", "decode tok/s", "vs plain", "vs llama-server")
-    lines = ["{:<24} {:>8} {:>8} {:>13} {:>9} {:>16}".format(*head)]
+    head = ("server", "total s", "TTFT s", "decode tok/s", "refused", "vs plain", "vs llama-server")
+    lines = ["{:<24} {:>8} {:>8} {:>13} {:>8} {:>9} {:>16}".format(*head)]
     for name, s in summary.items():
         dt = f"{s['decode_tps']:.1f}" if s["decode_tps"] else "-"
         vp = f"x{s['vs_plain']:.2f}" if s["vs_plain"] else "-"
         vb = f"x{s['vs_llama_server_best']:.2f}" if s["vs_llama_server_best"] else "-"
-        lines.append(f"{name:<24} {s['total_s']:>8.1f} {s['ttft_s']:>8.1f} {dt:>13} {vp:>9} {vb:>16}")
+        lines.append(f"{name:<24} {s['total_s']:>8.1f} {s['ttft_s']:>8.1f} {dt:>13} {s['refused']:>8} {vp:>9} {vb:>16}")
+    if any(s["refused"] for s in summary.values()):
+        lines.append("(ratios over the requests every server answered)")
     return "\n".join(lines)
 
 

@@ -102,69 +102,14 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
     # outermost: a request from a foreign page or a rebound DNS name is refused before anything
     app.add_middleware(Guard, hosts=hosts or HostRule(), origins=cors_origins)
 
-    # -- errors in OpenAI's shape (Anthropic's under /v1/messages) ----------------------------------
-    def error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        return error(request, exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        # FastAPI says 422; OpenAI clients expect 400 for any malformed request
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None  # the body's field, as OpenAI names it
-        if first.get("type") == "json_invalid":
-            why = str((first.get("ctx") or {}).get("error", ""))
-            if "recursion" in why.lower():  # valid JSON, nested deeper than the parser follows
-                message = "the request body nests JSON deeper than 200 levels: flatten it"
-            else:
-                message = "the request body is not valid JSON" + (f" ({why})" if why else "")
-            param = None
-        else:
-            message = f"{'.'.join(loc)}: {first['msg']}" if loc else str(first["msg"])
-        return error(request, ApiError(400, message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 404:
-            message, code = f"unknown URL: {request.method} {request.url.path}", "unknown_url"
-        elif exc.status_code == 405:
-            message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
-        else:
-            message, code = str(exc.detail), None
-        return error(request, ApiError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)))
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception):
-        # a bug must cost one request, never the server: uvicorn keeps running either way (and
-        # logs the traceback, as Starlette re-raises after this), this keeps the answer in the
-        # shape clients parse
-        return error(request, ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+    _install_error_handlers(app)
 
     # -- routes ----------------------------------------------------------------------------------
     def scheduler() -> worker.Scheduler:
         assert sched is not None, "the app runs without its lifespan"
         return sched
 
-    key_bytes = api_key.encode("utf-8") if api_key is not None else None
-
-    def key_ok(request: Request) -> bool:
-        if key_bytes is None:
-            return True
-        # the header's bytes as sent (Starlette decodes headers as latin-1): a key outside ASCII
-        # arrives as its UTF-8 bytes. `Authorization: Bearer KEY` (OpenAI's clients) or
-        # `x-api-key: KEY` (Anthropic's)
-        headers = request.scope["headers"]
-        raw = next((v for k, v in headers if k == b"authorization"), b"")
-        scheme, _, token = raw.partition(b" ")
-        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key_bytes):
-            return True
-        other = next((v for k, v in headers if k == b"x-api-key"), None)
-        return other is not None and secrets.compare_digest(other.strip(), key_bytes)
+    key_ok = _key_check(api_key)
 
     @app.get("/health")
     async def health(request: Request):
@@ -271,6 +216,73 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         async def prometheus_metrics():
             return Response(app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
     return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error in the API's own shape (ApiError.body_for: OpenAI's, Anthropic's under
+    /v1/messages, Ollama's under /api): refusals, malformed bodies, unknown URLs, crashes."""
+    def error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return error(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        # FastAPI says 422; OpenAI clients expect 400 for any malformed request
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None  # the body's field, as OpenAI names it
+        if first.get("type") == "json_invalid":
+            why = str((first.get("ctx") or {}).get("error", ""))
+            if "recursion" in why.lower():  # valid JSON, nested deeper than the parser follows
+                message = "the request body nests JSON deeper than 200 levels: flatten it"
+            else:
+                message = "the request body is not valid JSON" + (f" ({why})" if why else "")
+            param = None
+        else:
+            message = f"{'.'.join(loc)}: {first['msg']}" if loc else str(first["msg"])
+        return error(request, ApiError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message, code = f"unknown URL: {request.method} {request.url.path}", "unknown_url"
+        elif exc.status_code == 405:
+            message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return error(request, ApiError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        # a bug must cost one request, never the server: uvicorn keeps running either way (and
+        # logs the traceback, as Starlette re-raises after this), this keeps the answer in the
+        # shape clients parse
+        return error(request, ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+def _key_check(api_key: Optional[str]) -> Callable[[Request], bool]:
+    """Whether a request holds the API key (always, without one)."""
+    key_bytes = api_key.encode("utf-8") if api_key is not None else None
+
+    def key_ok(request: Request) -> bool:
+        if key_bytes is None:
+            return True
+        # the header's bytes as sent (Starlette decodes headers as latin-1): a key outside ASCII
+        # arrives as its UTF-8 bytes. `Authorization: Bearer KEY` (OpenAI's clients) or
+        # `x-api-key: KEY` (Anthropic's)
+        headers = request.scope["headers"]
+        raw = next((v for k, v in headers if k == b"authorization"), b"")
+        scheme, _, token = raw.partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key_bytes):
+            return True
+        other = next((v for k, v in headers if k == b"x-api-key"), None)
+        return other is not None and secrets.compare_digest(other.strip(), key_bytes)
+
+    return key_ok
 
 
 async def _prepare(body, n_ctx: int, prepare: Callable[[Any], Any], prompt_field: str = "messages") -> Any:

@@ -65,7 +65,9 @@ class _Compute:
     and `serve --parallel 4` answered one request at a time in 7.5-9.3 s against 5.1-5.6 s with
     --parallel 1. Computing on one thread keeps one team. A caller interrupted while it waits
     (KeyboardInterrupt) stops a pass that can be stopped (`interrupt`), waits for llama.cpp to
-    return, and then raises: llama.cpp is never used by two threads at once."""
+    return, and then raises: llama.cpp is never used by two threads at once. (A stream's reader
+    waits on its queue, not here: its interrupt ends its generation, and the round stops that
+    generation's prompt pass inside, rounds.start.)"""
 
     def __init__(self):
         self._start_lock = threading.Lock()

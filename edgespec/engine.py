@@ -438,12 +438,13 @@ class Engine(PromptBuilder):
         with self._round_done:
             if self._posted or self._closed:
                 return
-            self._posted = True
-        _compute.post(self._loop)
+            _compute.post(self._loop)  # posted before it is marked: an interrupt between the two cannot
+            self._posted = True        # leave it marked with nothing posted (a second post is harmless)
 
     def _wanted(self) -> bool:
-        """Whether a round is wanted: a running generation has no committed token left to read
-        (a reader is at most one round behind; a stream nobody reads does not run on)."""
+        """Whether a round is wanted: a running generation has no committed token left to read. A
+        stream nobody reads stops there while it runs alone; beside others it takes part in their
+        rounds (its queue grows up to its max_tokens, as before the loop)."""
         with self._admission:
             return any(a.generation is not None and not a.generation.finished and not a.generation.out
                        for a in self._active)
@@ -518,9 +519,10 @@ class Engine(PromptBuilder):
     def _tokens(self, gen: Generation) -> Iterator[tuple[int, bool]]:
         """The generation's committed tokens, as the loop commits them."""
         while True:
-            if gen.out:
+            finished = gen.finished  # read before the queue: a round may commit its last tokens and
+            if gen.out:              # finish between the two reads, and none of them is lost
                 yield gen.out.popleft()
-            elif gen.finished:
+            elif finished:
                 if gen.error is not None:
                     error, gen.error = gen.error, None
                     raise error

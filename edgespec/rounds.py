@@ -10,6 +10,7 @@ rows a mask decides alone. With one generation this is the plain speculative loo
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import NamedTuple, Optional
 
@@ -178,8 +179,16 @@ def _goes_on(g: Generation, target) -> bool:
     return True
 
 
+_finishing = threading.Lock()  # the llama.cpp thread (a round) and a reader (a stop string, a close) may both end it
+
+
 def finish(g: Generation, reason: Optional[str], force: bool = False) -> None:
     """The generation ends (`reason` None: its stream was closed, no reason given)."""
+    with _finishing:
+        _finish(g, reason, force)
+
+
+def _finish(g: Generation, reason: Optional[str], force: bool) -> None:
     if force and reason is not None:
         g.stats.finish_reason = reason
     if not g.finished:

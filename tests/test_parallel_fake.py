@@ -492,3 +492,34 @@ def test_the_exact_limit_beside_others_prices_the_shared_pass():
     policy.exact_rows, policy.exact_shared, policy.bit_exact = 2, True, True
     share = Share(1, (Part(0, 3, 3), Part(2, 1, 1), Part(3, 1, 1)))  # sequence 0 drafted 2
     assert policy.choose(Offer(16, 8, "aligned"), room=8, share=share).drafter == "none"
+
+
+def test_no_reader_loses_the_last_tokens_of_a_generation(monkeypatch):
+    """The loop may commit a generation's last tokens and finish it while its reader is between
+    finding the queue empty and looking at `finished`: that reader is held here, at that very point,
+    until the round has finished the generation. It must still hand out the token (a reader that
+    read `finished` after the empty queue would end the answer without it)."""
+    from collections import deque
+    reader = threading.current_thread()
+
+    class Held(deque):
+        gen = None
+
+        def __bool__(self):
+            if not len(self) and threading.current_thread() is reader and not self.gen.finished:
+                deadline = time.monotonic() + 5
+                while not self.gen.finished and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                return False  # empty when it was looked at
+            return bool(len(self))
+
+    class HeldGeneration(engine_mod.Generation):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.out = Held()
+            self.out.gen = self
+
+    monkeypatch.setattr(engine_mod, "Generation", HeldGeneration)
+    p, _ = _greedy_tables(5)
+    r = Engine(FakeBackend(p)).generate([0, 1], max_tokens=1)
+    assert len(r.tokens) == 1 and r.stats.finish_reason == "length"

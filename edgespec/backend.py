@@ -96,10 +96,6 @@ class _Compute:
                 self._thread = threading.Thread(target=self._main, name="edgespec-llama", daemon=True)
                 self._thread.start()
 
-    def here(self) -> bool:
-        """Whether the calling thread is the llama.cpp thread."""
-        return threading.current_thread() is self._thread
-
     def post(self, fn, *args) -> None:
         """Run `fn(*args)` on this thread in its turn, without waiting for it (its errors are logged)."""
         self._ensure()

@@ -317,6 +317,7 @@ class _Measurement:
             if (len(self.seen) >= self.sweeps and sum(self.clean) >= 2
                     and not _doubts(_figures(self.seen, self.clean)[1])):
                 break
+        self.n_sweeps = len(self.seen)  # before `again` adds its sweep
 
     def again(self) -> None:
         """Row counts whose repeats disagree get two passes more, in a sweep of their own."""
@@ -335,7 +336,7 @@ class _Measurement:
 
     def result(self) -> Calibration:
         target, draft, clock = self.target, self.draft, self.clock
-        n = len(self.seen) - (1 if self.loads and self.loads[-1] is None else 0)
+        n = self.n_sweeps
         figures, spread = _figures(self.seen, self.clean)
         doubts = _doubts(spread)
         ones = figures[1]

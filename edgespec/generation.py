@@ -104,8 +104,8 @@ class Generation:
     drafter: object = None          # this sequence's drafter lane (None: plain decoding)
     cancel: threading.Event = field(default_factory=threading.Event)
     out: deque = field(default_factory=deque)  # committed (token, from_draft) its stream has not taken
-    restored: Optional[bool] = None  # its prompt's prefix came back from the prompt cache (None: no sequence yet)
-    kept: Optional[int] = None      # prompt tokens its sequence already held (None: its first piece is not in)
+    restored: Optional[bool] = None  # its prompt's prefix came back from the prompt cache (None: no sequence
+                                     # yet, or its first piece is in and the stats say it)
     carry: Optional[np.ndarray] = None         # the prompt's last row, for the first round (rounds._feed)
     ahead: Optional[Callable] = None           # under a constraint: what the grammar drafts ahead
     t1: float = 0.0                 # when its prompt was in (decode time counts from here)

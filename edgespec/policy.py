@@ -17,10 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
-from .acceptance import (ALIGNED_PRIOR, ALIGNED_SHIFT, GENERATED_PRIOR, PRIOR_WEIGHT, QUOTED_PRIOR,  # noqa: F401
-                         RUN_EDGES, RUN_PRIOR, Acceptance, CopyAcceptance, expected_tokens)
-from .costs import (BATCH_SLACK, CATCH_UP, FEED_SHARE, Costs, OnlineCosts, Part, Share, exact_groups,  # noqa: F401
-                    micro_batches, rows_cheap)
+from .acceptance import ALIGNED_PRIOR, ALIGNED_SHIFT, GENERATED_PRIOR, QUOTED_PRIOR, Acceptance, CopyAcceptance
+from .costs import Costs, OnlineCosts, Part, Share, rows_cheap
 
 MIN_OBSERVATIONS = 4  # copy proposals scored before a fresh lookup hit is drafted
 CAUTION = 0.25        # acceptance is taken a quarter standard deviation below its estimate

@@ -44,9 +44,10 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
     except Aborted:
         finish(gen, "cancelled")
         return False
-    if gen.kept is None:  # the first piece says how much of the prompt was there already
-        gen.kept = st.reused_prompt_tokens = kept
+    if gen.restored is not None:  # the first piece says how much of the prompt was there already
+        st.reused_prompt_tokens = kept
         st.restored_prompt_tokens = kept if gen.restored else 0
+        gen.restored = None  # said
     if row is None:
         return False
     gen.started, gen.carry = True, row
@@ -89,7 +90,7 @@ def step(target, gens: list[Generation], width: int, exact: bool = False) -> Non
             g.stats.exact_cuts += 1
         try:
             got_rows = next(got) if part is not None else None
-            logits = _logit_rows(draft.tokens, got_rows, ask, known, masks, target.n_vocab)
+            logits = _logit_rows(draft.tokens, got_rows, ask, known, masks, target.n_vocab, width)
             if ask:
                 g.stats.target_forwards += 1
                 check_finite(target, logits)
@@ -287,19 +288,22 @@ def _feed(g: Generation, target, drafts: list[int], masks):
     return (g.seq, pending + drafts, [len(pending) - 1 + i for i in open_rows]), open_rows, {}
 
 
-def _logit_rows(drafts, got, ask, known: dict, masks, n_vocab: int) -> np.ndarray:
-    """The k + 1 rows of logits: the pass's rows (`got`, for the rows asked), the rows known
-    before it, and a point mass on its one legal token for a row the mask decides."""
-    logits = np.empty((len(drafts) + 1, n_vocab), dtype=np.float32)
+def _logit_rows(drafts, got, ask, known: dict, masks, n_vocab: int, width: int) -> np.ndarray:
+    """The k + 1 rows of logits, `width` wide (the target's `n_vocab` columns, -inf beyond, where the
+    draft's vocabulary is larger): the pass's rows (`got`, for the rows asked), the rows known before
+    it, and a point mass on its one legal token for a row the mask decides."""
+    logits = np.empty((len(drafts) + 1, width), dtype=np.float32)
+    if width > n_vocab:
+        logits[:, n_vocab:] = -np.inf
     for i, row in known.items():
-        logits[i] = row
+        logits[i, :n_vocab] = row
     for j, i in enumerate(ask):
-        logits[i] = got[j]
+        logits[i, :n_vocab] = got[j]
     if masks is not None:
         done = set(ask) | set(known)
         for i in range(len(drafts) + 1):
             if i not in done:
-                logits[i] = np.where(masks[i][:n_vocab], 0.0, -np.inf)
+                logits[i, :n_vocab] = np.where(masks[i][:n_vocab], 0.0, -np.inf)
     return logits
 
 

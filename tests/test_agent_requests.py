@@ -140,6 +140,16 @@ def test_responses_bodies_refused_by_name():
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
     refused(lambda: responses.ResponsesRequest.model_validate({"input": [call, call]}).chat(),
             match="'c1' is used by two function_call items")
+    # Codex's additional_tools item: its tools are offered beside `tools`, named by where they stand
+    extra = {"type": "additional_tools", "tools": [{"type": "function", "name": "g", "parameters": {"type": "object"}}]}
+    chat = responses.ResponsesRequest.model_validate({"input": [{"role": "user", "content": "hi"}, extra]}).chat()
+    assert [t["function"]["name"] for t in chat.tools] == ["g"]
+    refused(lambda: responses.ResponsesRequest.model_validate(
+        {"input": [{"role": "user", "content": "hi"}, {"type": "additional_tools", "tools": 5}]}).chat(),
+        match="input.1: an additional_tools item holds a list of 'tools'")
+    refused(lambda: responses.ResponsesRequest.model_validate(
+        {"input": [{"role": "user", "content": "hi"}, {"type": "additional_tools", "tools": [5]}]}).chat(),
+        match="input.1.tools.0: a tool is an object")
 
 
 def test_a_system_message_mid_conversation_is_folded_where_the_template_refuses_it():

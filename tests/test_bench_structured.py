@@ -7,7 +7,7 @@ from test_cli import assert_usage_error, run_cli
 
 from edgespec.bench.structured import _copy_lengths, ceiling, shares, validity
 from edgespec.engine import GenerationStats
-from edgespec.policy import Costs
+from edgespec.costs import Costs
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "year", "name"],
           "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},

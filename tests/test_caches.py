@@ -141,7 +141,7 @@ def test_run_survives_a_fifo_or_device_at_its_calibration_path_twice(cache, tmp_
                                                                       what):
     """The real CLI's auto drafter reads its calibration; measuring is faked (30 s otherwise)."""
     from edgespec.backend import LlamaBackend
-    from edgespec.policy import Costs
+    from edgespec.costs import Costs
     measured = []
 
     def fake_measure(target, draft=None, **kw):

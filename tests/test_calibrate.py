@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edgespec import calibrate
-from edgespec.policy import Costs
+from edgespec.costs import Costs
 
 from fakes import FakeBackend
 

@@ -28,7 +28,8 @@ from edgespec.drafters.model import ModelDrafter
 from edgespec.drafters.ngram import NgramDrafter
 from edgespec.engine import Engine
 from edgespec.errors import UsageError
-from edgespec.policy import Costs, Policy
+from edgespec.costs import Costs
+from edgespec.policy import Policy
 from edgespec.sampling import SamplingParams, warp
 
 from fakes import FakeBackend

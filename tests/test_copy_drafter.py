@@ -119,7 +119,8 @@ def test_auto_with_copies_equals_plain_greedy_up_to_a_near_tie_on_a_real_model(s
     from edgespec.backend import LlamaBackend
     from edgespec.drafters.auto import AutoDrafter
     from edgespec.engine import Engine
-    from edgespec.policy import Costs, Policy
+    from edgespec.costs import Costs
+    from edgespec.policy import Policy
     # cheap rows, as on a GPU, and fixed: the policy drafts copies wherever it can
     drafter = AutoDrafter(Policy(Costs(tuple(0.01 + 0.0005 * k for k in range(1, 33)))), CopyDrafter())
     with Engine(LlamaBackend(smol, n_ctx=1024), drafter) as eng:

@@ -12,7 +12,9 @@ import pytest
 from edgespec.bench.ceiling import replay
 from edgespec.drafters import Draft, Drafter
 from edgespec.drafters.auto import AutoDrafter
-from edgespec.policy import Acceptance, Costs, OnlineCosts, Policy
+from edgespec.costs import Costs, OnlineCosts
+from edgespec.acceptance import Acceptance
+from edgespec.policy import Policy
 
 T1 = 0.06
 CPU = Costs(tuple(T1 * (1 + 0.8 * (k - 1)) for k in range(1, 33)), draft_step=0.6 * T1)  # rows cost: plain wins

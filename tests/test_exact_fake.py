@@ -90,7 +90,8 @@ def auto_engine(p, q):
     """Cheap verification: the policy drafts with both the draft model and the n-grams."""
     from edgespec.drafters.auto import AutoDrafter
     from edgespec.drafters.ngram import NgramDrafter
-    from edgespec.policy import Costs, Policy
+    from edgespec.costs import Costs
+    from edgespec.policy import Policy
     # the draft model catches up on the prompt at its first draft: cheap here, as on a GPU
     costs = Costs(verify=tuple(0.01 + 0.0005 * k for k in range(1, 9)), draft_step=0.004, draft_prefill=0.00001)
     drafter = AutoDrafter(Policy(costs, max_gamma=7), NgramDrafter(), ModelDrafter(FakeBackend(q, name="draft"), V))

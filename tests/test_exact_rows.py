@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from edgespec.calibrate import exact_rows
-from edgespec.policy import Costs, Offer, Policy
+from edgespec.costs import Costs
+from edgespec.policy import Offer, Policy
 from fakes import FakeBackend
 
 GPU = Costs(tuple(0.05 * (1 + 0.02 * (k - 1)) for k in range(1, 33)), draft_step=0.005)

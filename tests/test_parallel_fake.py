@@ -23,7 +23,8 @@ from edgespec.drafters.copy import CopyDrafter
 from edgespec.drafters.model import ModelDrafter
 from edgespec.engine import Engine
 from edgespec.errors import UsageError
-from edgespec.policy import Costs, Policy
+from edgespec.costs import Costs
+from edgespec.policy import Policy
 from edgespec.sampling import SamplingParams, warp
 
 from fakes import FakeBackend
@@ -300,7 +301,7 @@ def test_the_policy_prices_a_shared_pass_so_a_cpu_drafts_less_beside_other_seque
     assert shared.gamma <= alone.gamma // 2  # measured: 4 alone, 1 shared
     # on a GPU too a draft beside the others is a micro-batch of its own (one more computation):
     # alone it drafts at least as long as the CPU, beside three plain sequences shorter than alone
-    from edgespec.policy import Part, Share
+    from edgespec.costs import Part, Share
     gpu_alone = Policy(gpu).choose(offer, room=8)
     beside = Policy(gpu).choose(offer, room=8, share=Share(0, tuple(Part(s, 1, 1) for s in (1, 2, 3))))
     assert gpu_alone.gamma >= alone.gamma and beside.gamma < gpu_alone.gamma
@@ -365,7 +366,7 @@ def test_a_long_prompt_steps_aside_while_a_short_answer_runs_then_goes_on(monkey
 def test_micro_batches_follow_llama_cpp_split_of_separate_kv_streams():
     """llama.cpp (split_equal, sequential) puts consecutive sequence ids with equal token counts in
     one computation: one sequence's draft beside three plain ones is two, a gap in the ids another."""
-    from edgespec.policy import Part, micro_batches
+    from edgespec.costs import Part, micro_batches
     plain4 = [Part(s, 1, 1) for s in range(4)]
     assert micro_batches(plain4) == [(4, 4)]
     assert micro_batches([Part(0, 9, 9)] + plain4[1:]) == [(4, 4), (8, 8)]
@@ -382,7 +383,8 @@ def test_a_shared_pass_is_priced_by_its_micro_batches():
     again: where a computation's fixed cost dominates (a GPU-like curve) a short copy that pays
     alone is not drafted beside three plain sequences, but rides along where another sequence's
     draft of the same length already makes that second computation."""
-    from edgespec.policy import Offer, Part, Share
+    from edgespec.costs import Part, Share
+    from edgespec.policy import Offer
     costs = Costs(tuple(0.020 + 0.002 * k for k in range(1, 33)))  # T(k) = 20 ms + 2 ms a row
     assert costs.split_cost([Part(0, 9, 9)] + [Part(s, 1, 1) for s in (1, 2, 3)]) == pytest.approx(
         costs.verify_cost(4) + costs.verify_cost(8))
@@ -423,7 +425,7 @@ def test_a_new_generation_takes_a_sequence_that_keeps_the_running_ids_consecutiv
 def test_a_shared_pass_is_cut_into_the_cheapest_exact_passes():
     """Past the rows llama.cpp computes exactly (exact_rows) a shared pass is cut into passes within
     it, in sequence order, the cheapest such cut (within `slack` of one pass, when one is given)."""
-    from edgespec.policy import Part, exact_groups
+    from edgespec.costs import Part, exact_groups
     four = [Part(s, 1, 1) for s in (3, 0, 2, 1)]  # any order: cut in sequence order
     linear = Costs((1.0, 1.64, 2.5, 3.05, 4.0))  # rows nearly a step each (this CPU, calibrated)
     assert exact_groups(four, 3, linear) == [[1, 3], [2, 0]]  # sequences 0,1 then 2,3: 3.28 against 3.5
@@ -486,7 +488,8 @@ def test_the_exact_limit_beside_others_prices_the_shared_pass():
     """With --bit-exact and --parallel-exact a draft is kept within exact_rows beside others too, and the shorter
     draft it falls back to is priced on the shared pass (its micro-batches), not as if alone: here
     one more token makes a third computation, which the pass's cap does not allow."""
-    from edgespec.policy import Offer, Part, Share
+    from edgespec.costs import Part, Share
+    from edgespec.policy import Offer
     costs = Costs(tuple(0.020 + 0.0005 * k for k in range(1, 33)))
     policy = Policy(costs)
     policy.exact_rows, policy.exact_shared, policy.bit_exact = 2, True, True

@@ -4,7 +4,8 @@ from __future__ import annotations
 from edgespec.drafters import Round
 from edgespec.drafters.auto import AutoDrafter
 from edgespec.drafters.quote import value_end
-from edgespec.policy import Costs, Policy
+from edgespec.costs import Costs
+from edgespec.policy import Policy
 from edgespec.sampling import SamplingParams
 
 TEXTS = ["'s", "Dana", " Whit", "field", " <", "dana", ".wh", "itfield", "@", "north", ".com", ">", "\n",

@@ -69,7 +69,10 @@ def replay(url: str, turn: dict, timeout: float = 3600) -> dict:
                       headers={"anthropic-version": "2023-06-01"}) as r:
         if r.status_code != 200:
             r.read()
-            raise Refused(f"{turn['path']} answered {r.status_code}: {r.text[:300]}")
+            message = f"{turn['path']} answered {r.status_code}: {r.text[:300]}"
+            if 400 <= r.status_code < 500:  # the server does not serve this request (a crash is no refusal)
+                raise Refused(message)
+            raise UsageError(f"{url}{message}")
         for line in r.iter_lines():
             if not line.startswith("data:"):
                 continue
@@ -164,8 +167,8 @@ def run(settings, session: list[dict], out: Path, peer: bool = False, llama_serv
                       f"{t['output_tokens']} tokens, {t['total']:.1f} s", file=sys.stderr, flush=True)
         finally:
             server.stop()
-            _write(out, target, draft, settings.n_ctx, threads, session, results)  # what ran so far, kept
-    return _write(out, target, draft, settings.n_ctx, threads, session, results)
+            report = _write(out, target, draft, settings.n_ctx, threads, session, results)  # what ran so far
+    return report
 
 
 def _write(out: Path, target, draft, n_ctx: int, threads: int, session: list, results: dict) -> dict:

@@ -27,7 +27,6 @@ from typing import Optional
 
 import numpy as np
 
-from ..defaults import GAMMA  # noqa: F401  (the drafters' default length)
 from ..sampling import SamplingParams
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import GAMMA, Draft, Drafter, Round
+from ..defaults import GAMMA
+from . import Draft, Drafter, Round
 from .ngram import NgramDrafter, agreed, run_length
 
 ALIGNED_MIN = 12  # agreed tokens before a copy counts as an established alignment

@@ -12,7 +12,8 @@ import numpy as np
 
 from ..errors import BackendError, DamagedModelError
 from ..sampling import SamplingParams, fit, law, sample
-from . import GAMMA, NO_DRAFT, Draft, Drafter, Round
+from ..defaults import GAMMA
+from . import NO_DRAFT, Draft, Drafter, Round
 
 
 class ModelWant(NamedTuple):

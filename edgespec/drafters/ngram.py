@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import GAMMA, Draft, Drafter, Round
+from ..defaults import GAMMA
+from . import Draft, Drafter, Round
 
 N_MIN = 1
 N_MAX = 8

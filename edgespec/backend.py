@@ -22,7 +22,7 @@ from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from .defaults import ALL_LAYERS, N_CTX
-from .errors import Aborted, BackendError, ModelFileError
+from .errors import Aborted, BackendError, ModelFileError, UsageError
 
 log = logging.getLogger("edgespec")
 
@@ -129,7 +129,22 @@ class _Compute:
 _compute = _Compute()
 
 
+THREADS_ENV = "EDGESPEC_THREADS"  # like llama-server's LLAMA_ARG_THREADS: the default for --threads
+
+
 def default_threads() -> int:
+    """$EDGESPEC_THREADS where set (a test runner's workers share the cores that way), else the
+    physical cores."""
+    env = os.environ.get(THREADS_ENV, "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UsageError(f"{THREADS_ENV}={env!r} is not a thread count: set a whole number of 1 or "
+                             "more, or unset it (the default is the physical cores)")
+        return n
     try:
         import psutil
         n = psutil.cpu_count(logical=False)

@@ -30,9 +30,16 @@ def _compile(source: str):
 ROLES = ("system", "user", "assistant", "tool")
 
 
+class Checked(list):
+    """Messages validate_messages has already checked (its copies): checking them again is a
+    no-op, so a request's messages are checked once however many steps render them."""
+
+
 def validate_messages(messages) -> list[dict]:
     """Checked copies: string role and content (an assistant turn that only calls tools may have
     none), a known role, and `tool` turns that answer a call made before them."""
+    if isinstance(messages, Checked):
+        return messages
     if not isinstance(messages, (list, tuple)) or not messages:
         raise UsageError("messages must be a non-empty list of {'role', 'content'} dicts")
     out, calls = [], set()
@@ -58,7 +65,7 @@ def validate_messages(messages) -> list[dict]:
                 raise UsageError(f"message {i} is a tool result for call {cid!r}, which no earlier assistant turn "
                                  "made: give the tool_call_id of the call it answers")
         out.append(dict(m))
-    return out
+    return Checked(out)
 
 
 def _short(value, limit: int = 80) -> str:
@@ -120,7 +127,7 @@ def render_segments(template: str | None, messages, **tokens) -> list[tuple[str,
     nonce = secrets.token_hex(8)
     marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
     # an empty content stays empty (templates test it: an assistant turn that only calls tools)
-    text = render(template, [dict(m, content=mk if m["content"] else "") for m, mk in zip(messages, marks)],
+    text = render(template, Checked(dict(m, content=mk if m["content"] else "") for m, mk in zip(messages, marks)),
                   **tokens)
     pieces: list[tuple[str, bool]] = []
     for part in re.split(f"(\x00{nonce}:\\d+\x00)", text):

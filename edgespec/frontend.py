@@ -196,7 +196,7 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=Settings.n_ctx, metavar="N",
                    help="context size in tokens (default %(default)s)")
     p.add_argument("--threads", "-t", type=int, default=None, metavar="N",
-                   help="CPU threads (default: physical cores)")
+                   help="CPU threads (default: $EDGESPEC_THREADS, else the physical cores)")
     p.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=int, default=Settings.n_gpu_layers, metavar="N",
                    help="target layers to offload to the GPU; -1 = all, 0 = CPU only (default %(default)s)")
     p.add_argument("--draft-n-gpu-layers", "-ngld", "--n-gpu-layers-draft", type=int,

@@ -1,32 +1,11 @@
 """Will it fit? Peak resident memory estimated from GGUF metadata, before loading anything.
 
-The parts, as llama.cpp allocates them on a CPU:
-- weights: the file's tensors, memory-mapped with MAP_POPULATE, so all of them resident;
-- copied weights (unless repacking is off, --no-repack): llama.cpp keeps a second, interleaved
-  copy of some quantized matrix types in an extra CPU buffer (CPU_REPACK; on x86 with AVX2:
-  Q4_0, Q4_K, IQ4_NL, MXFP4, and Q2_K with AVX-512) beside the mapped original. Which types
-  depends on the CPU and the build:
-  `probe.machine_figures()` measures it on this machine (see probe.py);
-- KV cache: layers x n_ctx x kv_heads x (K + V head sizes), at the K and V element types'
-  sizes (f16: 2 bytes; q8_0: 34 bytes per 32; q4_0: 18 per 32), for each of the n_seq
-  sequences the context serves at once (one unified cache of n_ctx x n_seq cells);
-- activations: llama.cpp reserves a compute buffer for the worst case (all logits of a
-  512-token micro-batch), but edgespec asks for logits on a few rows only, so what becomes
-  resident is the activations of a prompt micro-batch: n_ubatch x (2.5 n_ff + 4.7 n_embd) f32,
-  where a prompt goes in by pieces of slots.PIECE (128) rows on a CPU;
-- vocabulary tables: llama.cpp's (token strings, lookup maps, BPE ranks) and edgespec's own
-  token list (GGUFInfo.tokens);
-- the runtime: a fresh interpreter with numpy, llama-cpp-python and edgespec imported, plus
-  what a llama.cpp context and its first decode add besides its buffers (thread pool, work
-  buffers, the CPU kernels' code pages). Both are measured on this machine by the probe (the
-  Python, numpy, BLAS and llama.cpp build vary between machines); a small fixed remainder for
-  what a run adds on top (chat template, the engine's objects) stays a constant;
-- the n-gram index (a dict entry per n-gram length per context token, one index per sequence).
-GPU-offloaded layers live in device memory, not in the process's RSS.
-
-The memory modes (MemoryMode: KV element types, repacking) trade speed for memory; under a
-budget the planner tries the cheaper ones before it drops the draft model or shrinks the
-context (plan(), modes=).
+The estimate adds up the parts llama.cpp allocates on a CPU: the mapped weights, the copies it
+repacks for its kernels, the KV cache at its element types for each sequence, a prompt micro-batch's
+activations, the vocabulary tables, the runtime (both measured on this machine by probe.py) and the
+n-gram index. docs/memory.md ("The parts, as edgespec/memory.py counts them") says how each is
+counted; the constants below carry the measurements they were fitted to. `plan()` fits a budget,
+trying the cheaper memory modes (MemoryMode) before it drops the draft model or shrinks the context.
 """
 from __future__ import annotations
 

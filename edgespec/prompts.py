@@ -9,9 +9,11 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .constraints import Guide, tokenizer_for
+from .chat import Checked, render, render_segments, validate_messages
+from .constraints import Constraint, Guide, tokenizer_for
 from .errors import ConstraintError, ContextLengthError, UsageError
 from .request import Request, check_text
+from .tools import detect
 
 
 def _no_control_text(messages, specials) -> None:
@@ -57,7 +59,6 @@ class PromptBuilder:
 
     def format_chat(self, messages) -> str:
         """The target's chat template applied to `messages` (list of {'role', 'content'})."""
-        from .chat import render
         with self._reading():
             return render(self.target.chat_template(), messages, **self._template_tokens())
 
@@ -119,7 +120,7 @@ class PromptBuilder:
         messages were dropped)."""
         if overflow not in ("error", "drop-oldest"):
             raise UsageError(f"overflow must be 'error' or 'drop-oldest', got {overflow!r}")
-        messages = list(messages)
+        messages = Checked(validate_messages(messages))  # a copy: turns may be dropped from it
         dropped = 0
         while True:
             try:
@@ -146,8 +147,6 @@ class PromptBuilder:
         (checked against the context with `room` tokens for the answer, default max_tokens; with
         overflow="drop-oldest" the oldest turns go), and with tools the request constrained to the
         model's own call format. Safe from any thread, as `prompt_tokens`."""
-        from .chat import validate_messages
-        from .tools import detect
         request = request or Request()
         messages = validate_messages(messages)  # before a format rewrites tool turns
         fmt = None
@@ -159,10 +158,10 @@ class PromptBuilder:
                     ids = t.tokenize(fmt.TAG, add_bos=False, special=True)
                     fmt.marker_id = ids[0] if len(ids) == 1 else None
             messages, extra = fmt.render_messages(list(messages), request.tools)
+            messages = Checked(messages)  # the format's own rewrite of checked turns
             if request.tools is not None:
                 grammar = fmt.grammar(request.tools)
                 if grammar is not None:
-                    from .constraints import Constraint
                     request = replace(request, constraint=Constraint.build(grammar=grammar))
         else:
             extra = {}
@@ -176,7 +175,6 @@ class PromptBuilder:
         Message contents are tokenized as text: a message holding "<|im_end|>" cannot close
         its turn; only the template's own markers are control tokens. Roles must be system,
         user, assistant or tool. Safe to call from any thread, as `prompt_tokens`."""
-        from .chat import render, render_segments, validate_messages
         messages = validate_messages(messages)
         with self._reading() as t:
             template, kw = t.chat_template(), dict(self._template_tokens(), **extra)

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -6,6 +7,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/fakes.py
+
+# `make test` runs the suite in worker processes (pytest-xdist, one per core): each worker's
+# llama.cpp then gets its share of the cores, and the servers and CLIs it starts inherit it.
+# More threads than cores would wait on each other (a token costs seconds, see calibrate.py).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not os.environ.get("EDGESPEC_THREADS"):
+    from edgespec.backend import default_threads
+    os.environ["EDGESPEC_THREADS"] = str(max(1, default_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests first (the Qwen pair's, then those marked slow), so that the workers of
+    `make test` start them at once and no long test is left running alone at the end."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("qwen") else 1 if item.get_closest_marker("slow") else 2)
 
 
 def _model(pair: str, role: str = "target") -> Path:
@@ -30,8 +44,10 @@ def smol_draft(smol) -> Path:
     dst = cache_dir() / "models" / "SmolLM2-135M-Instruct.first24.gguf"
     if not dst.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "truncate_gguf.py"), str(smol), str(dst),
+        part = dst.with_name(f"{dst.name}.{os.getpid()}.part")  # test workers may write it at once
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "truncate_gguf.py"), str(smol), str(part),
                         "--blocks", "24"], check=True, stdout=subprocess.DEVNULL)
+        os.replace(part, dst)
     return dst
 
 

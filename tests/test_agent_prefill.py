@@ -5,17 +5,21 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from edgespec import Engine
 from edgespec.request import Request
 
-PROMPT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(160))
+# about 1,100 tokens: 8 canonical pieces
+PROMPT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(72))
 
 
+@pytest.mark.slow
 def test_a_prompt_cancelled_midway_keeps_its_pieces_and_the_retry_resumes(smol):
-    with Engine.load(str(smol), drafter="none", n_ctx=4096, threads=2, calibrate="never") as eng:
+    with Engine.load(str(smol), drafter="none", n_ctx=4096, calibrate="never") as eng:
         prompt = eng.prepare_prompt(PROMPT, Request(max_tokens=4))
         n = len(prompt.tokens)
-        assert n > 1500
+        assert n > 1000
         stream = eng.stream_prompt(prompt)
         done = threading.Event()
 
@@ -27,14 +31,14 @@ def test_a_prompt_cancelled_midway_keeps_its_pieces_and_the_retry_resumes(smol):
         t.start()
         seqs = eng.sequences
         deadline = time.monotonic() + 120
-        while max(seqs.canon.values(), default=0) < 512 and time.monotonic() < deadline and not done.is_set():
+        while max(seqs.canon.values(), default=0) < 384 and time.monotonic() < deadline and not done.is_set():
             time.sleep(0.005)
         stream.cancel()
         t.join(60)
         assert not t.is_alive()
         assert stream.finish_reason == "cancelled"
         evaluated = max(seqs.canon.values())
-        assert 512 <= evaluated < n - 1, evaluated  # stopped in the middle of the prompt
+        assert 384 <= evaluated < n - 1, evaluated  # stopped in the middle of the prompt
         again = eng.stream_prompt(eng.prepare_prompt(PROMPT, Request(max_tokens=4)))
         with again:
             for _ in again:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from edgespec.cli import main
 
 SYSTEM = "You are a terse coding agent. " * 40
@@ -11,6 +13,7 @@ TURN1 = [{"role": "user", "content": "Name a sorting algorithm."}]
 TURN2 = TURN1 + [{"role": "assistant", "content": "Merge sort."}, {"role": "user", "content": "Its complexity?"}]
 
 
+@pytest.mark.slow
 def test_a_recorded_session_replays_through_plain_and_auto(smol, tmp_path, capsys):
     session = tmp_path / "session.jsonl"
     lines = [{"time": 1.0, "path": "/v1/messages?beta=true", "body": {"model": "m", "max_tokens": 8, "system": SYSTEM,
@@ -23,7 +26,7 @@ def test_a_recorded_session_replays_through_plain_and_auto(smol, tmp_path, capsy
     session.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "agent.json"
     assert main(["bench", "--kinds", "agent", "--agent-session", str(session), "--target", str(smol),
-                 "--ctx", "1024", "--threads", "2", "--out", str(out)]) == 0
+                 "--ctx", "1024", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["requests"] == 3 and set(report["servers"]) == {"edgespec none", "edgespec auto"}
     for turns in report["servers"].values():

@@ -134,6 +134,7 @@ def test_help_explains_the_flags(capsys):
         assert flag in out
 
 
+@pytest.mark.slow
 def test_bench_measures_modes_beside_plain_decoding_in_one_run(smol, smol_draft, tmp_path, capsys):
     code_text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
     work = tmp_path / "w.jsonl"

@@ -38,9 +38,10 @@ def _talk(eng: Engine, order, max_tokens=12) -> tuple[dict, dict]:
     return answers, stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter, n", [("ngram", 3), ("model", 2)])
 def test_restored_conversations_continue_as_if_they_never_left(smol, smol_draft, drafter, n):
-    kw = dict(drafter=drafter, n_ctx=1024, threads=2, draft=str(smol_draft) if drafter == "model" else None)
+    kw = dict(drafter=drafter, n_ctx=1024, draft=str(smol_draft) if drafter == "model" else None)
     rr, straight = [x for x in ROUND_ROBIN if x[1] < n], [x for x in STRAIGHT if x[1] < n]
     with Engine.load(str(smol), cache_ram="32MiB", **kw) as eng:
         got, stats = _talk(eng, rr)
@@ -55,8 +56,9 @@ def test_restored_conversations_continue_as_if_they_never_left(smol, smol_draft,
     assert cache["hits"] == n and cache["bytes"] <= 32 * 2**20
 
 
+@pytest.mark.slow
 def test_the_draft_models_cache_comes_back_with_the_targets(smol, smol_draft, monkeypatch):
-    with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024, threads=2,
+    with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024,
                      cache_ram="32MiB") as eng:
         _talk(eng, ROUND_ROBIN[:3])  # three conversations: the first two are in the cache now
         draft = eng.drafter.draft_backend
@@ -100,7 +102,7 @@ def test_the_cache_evicts_least_recently_used_by_bytes_and_drops_what_a_slot_ext
 
 
 def test_overflow_is_a_context_length_error_or_drops_the_oldest_turns(smol):
-    with Engine.load(str(smol), drafter="none", n_ctx=256, threads=2, cache_ram=0) as eng:
+    with Engine.load(str(smol), drafter="none", n_ctx=256, cache_ram=0) as eng:
         long = [{"role": "system", "content": "Be brief."}]
         for i in range(12):
             long += [{"role": "user", "content": f"Question {i}: tell me about the number {i} in detail."},
@@ -127,7 +129,7 @@ def test_cli_overflow_exits_2_in_one_line(smol):
 @pytest.fixture(scope="module")
 def cached_server(smol, tmp_path_factory):
     from serverproc import ServerProcess
-    srv = ServerProcess(["--target", str(smol), "--ctx", "1024", "--drafter", "ngram", "--threads", "2",
+    srv = ServerProcess(["--target", str(smol), "--ctx", "1024", "--drafter", "ngram",
                          "--cache-ram", "48MiB"], tmp_path_factory.mktemp("cache"))
     srv.wait_ready()
     yield srv
@@ -155,6 +157,7 @@ def test_server_prints_the_cache_and_reports_cached_tokens(cached_server):
         assert r["edgespec"]["restored_prompt_tokens"] == r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.slow
 def test_server_rss_stays_within_the_cache_bound_over_eight_conversations(cached_server):
     """Eight new conversations of ~600 tokens (~14 MiB of KV each): the 48 MiB cache overflows
     twice over and evicts; the process grows by the cache's bound and a margin, no more."""
@@ -175,7 +178,7 @@ def test_server_overflow_is_400_context_length_exceeded(cached_server, smol, tmp
     r = _chat(cached_server, [{"role": "user", "content": "hi"}], max_tokens=1020)  # no room for the answer
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     from serverproc import ServerProcess
-    srv = ServerProcess(["--target", str(smol), "--ctx", "256", "--drafter", "none", "--threads", "2",
+    srv = ServerProcess(["--target", str(smol), "--ctx", "256", "--drafter", "none",
                          "--context-overflow", "drop-oldest", "--cache-ram", "0"], tmp_path)
     try:
         srv.wait_ready()
@@ -191,10 +194,11 @@ def test_server_overflow_is_400_context_length_exceeded(cached_server, smol, tmp
         assert srv.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_restart_restores_from_disk_and_a_damaged_entry_is_refused(smol, tmp_path, caplog):
     import logging
     conv = [{"role": "system", "content": SYSTEMS[1]}, {"role": "user", "content": QUESTIONS[1][0]}]
-    kw = dict(drafter="ngram", n_ctx=1024, threads=2, cache_ram=0)
+    kw = dict(drafter="ngram", n_ctx=1024, cache_ram=0)
     with Engine.load(str(smol), **kw) as eng:
         want = eng.chat(conv, max_tokens=10).tokens  # no cache at all: the conversation alone
     with Engine.load(str(smol), cache_dir=str(tmp_path), **kw) as eng:

@@ -101,6 +101,7 @@ def auto_engine(p, q):
 PARAMS = SamplingParams(0.9, top_k=4, min_p=0.02)
 
 
+@pytest.mark.slow
 def test_auto_drafts_keep_the_target_law_through_the_whole_engine():
     p, q = _tables(5, q_zero=(3,))
     eng = auto_engine(p, q)

@@ -155,6 +155,7 @@ def test_engine_drops_the_draft_model_when_it_does_not_fit(smol, smol_draft, cap
         Engine.load(str(smol), drafter="none", n_ctx=1024, memory_budget="10MB")
 
 
+@pytest.mark.slow
 def test_rss_stays_flat_over_150_generations(smol, smol_draft):
     proc = psutil.Process()
     with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=512, gamma=1) as eng:

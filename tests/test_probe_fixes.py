@@ -93,7 +93,7 @@ def test_drop_oldest_never_keeps_a_tool_result_without_its_call():
 def test_a_cancel_stops_a_long_prompt_inside_its_pass(smol):
     from edgespec.backend import LlamaBackend
     prompt = list(range(100, 400))
-    b = LlamaBackend(smol, n_ctx=512, threads=2)
+    b = LlamaBackend(smol, n_ctx=512)
     try:
         b.eval([1, 2, 3], [], 0)
         with pytest.raises(Aborted):
@@ -101,7 +101,7 @@ def test_a_cancel_stops_a_long_prompt_inside_its_pass(smol):
                 b.eval(prompt, [len(prompt) - 1], 0)
         assert b.held(0) == [1, 2, 3] and b.pos_max(0) == 2  # nothing of the stopped pass is kept
         after = b.eval(prompt, [len(prompt) - 1], 0)  # and the sequence goes on as if it never ran
-        fresh = LlamaBackend(smol, n_ctx=512, threads=2)
+        fresh = LlamaBackend(smol, n_ctx=512)
         try:
             fresh.eval([1, 2, 3], [], 0)
             assert np.array_equal(after, fresh.eval(prompt, [len(prompt) - 1], 0))
@@ -115,7 +115,7 @@ def test_a_cancel_stops_a_long_prompt_inside_its_pass(smol):
 
 def test_an_engine_stream_cancelled_while_its_prompt_goes_in_ends_at_once(smol, monkeypatch):
     from edgespec import slots
-    with Engine.load(str(smol), drafter="ngram", n_ctx=1024, threads=2) as eng:
+    with Engine.load(str(smol), drafter="ngram", n_ctx=1024) as eng:
         real = slots.Sequences.prefill
         holder = {}
 

@@ -249,7 +249,7 @@ def test_real_model_ctrl_c_stops_the_answer_and_the_next_message_is_answered(smo
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
     from edgespec import Engine
     from edgespec.request import Request
-    with Engine.load(str(smol), drafter="ngram", n_ctx=1024, threads=2) as eng:
+    with Engine.load(str(smol), drafter="ngram", n_ctx=1024) as eng:
         seen = []
         real = eng.stream_chat
 

@@ -18,7 +18,7 @@ from serverproc import ServerProcess
 
 KEY = "agents-key"
 N_CTX = 1024
-FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--threads", "2", "--parallel", "1", "--api-key", KEY]
+FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--parallel", "1", "--api-key", KEY]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
 SYSTEM = "You are terse."
@@ -51,7 +51,7 @@ def oai(server):
 def solo(smol):
     """The library's answer on a fresh engine (deterministic at T = 0), memoized."""
     memo = {}
-    with Engine.load(str(smol), drafter="ngram", n_ctx=N_CTX, threads=2) as eng:
+    with Engine.load(str(smol), drafter="ngram", n_ctx=N_CTX) as eng:
         def answer(messages, **kw):
             key = json.dumps([messages, sorted(kw.items())])
             if key not in memo:

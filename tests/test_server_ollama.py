@@ -18,7 +18,7 @@ from serverproc import ServerProcess
 KEY = "ollama-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 N_CTX = 1024
-FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--threads", "2", "--parallel", "1", "--api-key", KEY]
+FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--parallel", "1", "--api-key", KEY]
 T0 = {"temperature": 0, "num_predict": 24}
 ASK = [{"role": "user", "content": "What is a mutex?"}]
 COUNTING = [{"role": "user", "content": "Continue: 1, 2, 3, 4, 5, 6, 7, 8,"}]  # n-gram drafts get accepted

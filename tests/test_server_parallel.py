@@ -250,7 +250,7 @@ def test_help_says_what_parallel_does_and_its_default():
 
 # -- a real server with --parallel 2 --------------------------------------------------------------
 N_CTX = 2048  # room for two sequences even if the engine splits the context between them
-FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--threads", "2", "--parallel", "2"]
+FLAGS = ["--ctx", str(N_CTX), "--drafter", "ngram", "--parallel", "2"]
 COUNT = "1, 2, 3, 4, 5, 6, 7, 8,"   # SmolLM2 keeps counting: an answer as long as max_tokens
 TENS = "10, 20, 30, 40, 50,"
 HOLD_TOKENS = 900                   # a stream that runs until the test closes it
@@ -332,6 +332,7 @@ def test_health_and_the_ready_line_show_parallel(server):
     assert h["parallel"] >= 1 and "at once" in server.log.read_text()
 
 
+@pytest.mark.slow
 def test_two_streams_sent_at_once_both_start_before_either_ends_with_their_solo_answers(roomy):
     prompts, max_tokens = [COUNT, TENS], 160
     client = _client(roomy)

@@ -14,7 +14,7 @@ import pytest
 from serverproc import ServerProcess
 
 N_CTX = 1024
-FLAGS = ["--ctx", str(N_CTX), "--drafter", "none", "--threads", "2", "--queue-size", "8"]
+FLAGS = ["--ctx", str(N_CTX), "--drafter", "none", "--queue-size", "8"]
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
 
 

@@ -23,9 +23,9 @@ YEAR = r" [12][0-9]{3}\. It was (good|bad|fine)\."
 
 @pytest.fixture(scope="module")
 def engines(smol, smol_draft):
-    with Engine.load(str(smol), drafter="auto", n_ctx=1024, threads=2, calibrate="never") as auto, \
-            Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024, threads=2) as model, \
-            Engine.load(str(smol), drafter="none", n_ctx=1024, threads=2) as plain:
+    with Engine.load(str(smol), drafter="auto", n_ctx=1024, calibrate="never") as auto, \
+            Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=1024) as model, \
+            Engine.load(str(smol), drafter="none", n_ctx=1024) as plain:
         yield {"auto": auto, "model": model, "none": plain}
 
 
@@ -103,7 +103,7 @@ def test_bad_constraints_are_usage_errors_before_anything_runs(engines, options,
 
 def _run(smol, *args):
     return subprocess.run([sys.executable, "-m", "edgespec", "run", "--target", str(smol), "--ctx", "1024",
-                           "--threads", "2", "--drafter", "ngram", *args], capture_output=True, text=True,
+                           "--drafter", "ngram", *args], capture_output=True, text=True,
                           timeout=300)
 
 
@@ -129,7 +129,7 @@ def test_cli_json_schema_from_a_file_or_inline_and_errors(smol, tmp_path):
 def test_every_registered_drafter_is_a_mode_of_the_cli_and_library(smol):
     from edgespec.assemble import DRAFTERS
     assert set(DRAFTERS) == {"auto", "model", "ngram", "copy", "none"}
-    with Engine.load(str(smol), drafter="copy", n_ctx=512, threads=2) as eng:
+    with Engine.load(str(smol), drafter="copy", n_ctx=512) as eng:
         r = eng.chat([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog"}],
                      max_tokens=16)
         assert eng.mode == "copy" and r.stats.by_drafter.get("copy", {}).get("accepted", 0) > 0

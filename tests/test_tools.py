@@ -106,7 +106,7 @@ def test_a_tool_message_must_answer_a_call():
 @pytest.fixture(scope="module")
 def smol_client(smol, tmp_path_factory):
     from serverproc import ServerProcess
-    srv = ServerProcess(["--target", str(smol), "--ctx", "2048", "--drafter", "auto", "--threads", "2"],
+    srv = ServerProcess(["--target", str(smol), "--ctx", "2048", "--drafter", "auto"],
                         tmp_path_factory.mktemp("tools"))
     srv.wait_ready()
     with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300) as c:
@@ -345,3 +345,33 @@ def test_a_call_in_a_fenced_json_block_is_a_call_and_a_code_block_streams():
     assert shown.startswith("```python\nprint")  # not held back to the end
     rest, calls = sp.finish()
     assert shown + rest == code and calls == []
+
+
+def test_a_chat_requests_messages_are_checked_once(monkeypatch):
+    """prepare_chat checks the caller's messages, a tool format rewrites them, the template renders
+    them (whole or in segments): one check, not one per step; a list changed afterwards (not the
+    checked copy) is checked again."""
+    import edgespec.chat as chat
+    import edgespec.prompts as prompts
+    from edgespec.engine import Engine
+    from edgespec.request import Request
+    from fakes import FakeBackend
+    import numpy as np
+    checked = []
+    real = chat.validate_messages
+
+    def counting(messages):
+        checked.append(not isinstance(messages, chat.Checked))
+        return real(messages)
+    monkeypatch.setattr(chat, "validate_messages", counting)
+    monkeypatch.setattr(prompts, "validate_messages", counting)
+    eng = Engine(FakeBackend(np.zeros((6, 6), dtype=np.float32)))
+    convo = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"temperature": 17}'}]
+    eng.prepare_chat(convo, Request(max_tokens=2, tools=ToolSpec.build(TOOLS, "none")))  # no grammar
+    assert sum(checked) == 1
+    once = real(ASK)
+    assert real(once) is once and real(list(once)) is not once
+    with pytest.raises(UsageError, match="role"):
+        eng.prepare_chat([{"role": "robot", "content": "hi"}])

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import BackendError, DamagedModelError
 from ..sampling import SamplingParams, fit, law, sample
+from ..slots import piece_of
 from ..defaults import GAMMA
 from . import NO_DRAFT, Draft, Drafter, Round
 
@@ -42,7 +43,6 @@ class ModelDrafter(Drafter):
         draft, in one batch (`draft` feeds whatever the model has not seen). Under `auto` the
         first draft may never come: the prompt is then not evaluated twice. What is kept is cut
         to the canonical pieces (slots.PIECE), as the target's prefix is."""
-        from ..slots import piece_of
         be = self.backend
         kept = be.keep_prefix(tokens)
         if kept % piece_of(be):
@@ -96,7 +96,6 @@ class _Lane:
         # the committed tokens the draft has not seen yet (the last one or two after a round); a
         # catch-up is computed in the canonical pieces first (slots.PIECE: the same KV whatever
         # the draft model held before), the rest fed with the first draft step
-        from ..slots import piece_of
         p = piece_of(be)
         while len(tokens) - 1 - (be.n_past - be.n_past % p + p) >= 0:
             be.eval(tokens[be.n_past:be.n_past - be.n_past % p + p], [])

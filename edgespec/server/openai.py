@@ -16,6 +16,8 @@ from ..chat import ROLES
 from ..constraints import json_object_schema
 from ..errors import UsageError
 from ..request import Request, check_seed
+from ..sampling import SamplingParams
+from ..tools import ToolSpec
 from .schemas import ApiError, Shape, _Body, check_extra_fields, dumps, timings
 
 
@@ -81,7 +83,6 @@ class _Generation(_Body):
 
     def engine_request(self, n_ctx: int) -> Request:
         """The engine's Request for this body, checked (ApiError 400 naming the field)."""
-        from ..sampling import SamplingParams
         check_extra_fields(self.model_extra)
         if self.n not in (None, 1):
             raise ApiError(400, "this server returns one choice per request: n must be 1", param="n")
@@ -108,7 +109,6 @@ class _Generation(_Body):
         if tools.get("tools") and constraint:
             raise ApiError(400, f"give tools or {field}, not both", param=field)
         if tools.get("tools") or tools.get("tool_choice") not in (None, "none", "auto"):
-            from ..tools import ToolSpec
             try:  # built here, once, so that an error names its field
                 tools = {"tools": ToolSpec.build(**tools)}
             except UsageError as exc:

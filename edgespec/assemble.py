@@ -141,6 +141,9 @@ class Settings:
                 # more threads than CPUs wait on each other: a token costs seconds, not milliseconds
                 raise UsageError(f"threads (--threads) {self.threads} is more than the {cpus} CPUs this process "
                                  f"can use: pass {cpus} or fewer, or leave it out (default: physical cores)")
+        else:
+            from .backend import default_threads
+            default_threads()  # $EDGESPEC_THREADS, checked as --threads is
         if self.flash_attn not in FLASH_ATTN:
             raise UsageError(f"flash_attn (--flash-attn) must be one of {', '.join(FLASH_ATTN)}, "
                              f"got {self.flash_attn!r}")

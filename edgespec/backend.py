@@ -141,9 +141,13 @@ def default_threads() -> int:
             n = int(env)
         except ValueError:
             n = 0
-        if n < 1:
-            raise UsageError(f"{THREADS_ENV}={env!r} is not a thread count: set a whole number of 1 or "
-                             "more, or unset it (the default is the physical cores)")
+        try:
+            cpus = len(os.sched_getaffinity(0)) or 1
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        if not 1 <= n <= cpus:
+            raise UsageError(f"{THREADS_ENV}={env!r} is not a thread count for this machine: set a whole number "
+                             f"from 1 to its {cpus} CPUs, or unset it (the default is the physical cores)")
         return n
     try:
         import psutil
@@ -214,6 +218,7 @@ class LlamaBackend:
                 raise ValueError(f"{name} must be one of {', '.join(KV_TYPES)}, got {t!r}")
         if type_v != "f16" and flash_attn == "off":
             raise ValueError(f"a {type_v} V cache needs flash attention: flash_attn 'on' or 'auto'")
+        threads = threads or default_threads()  # before anything is loaded: $EDGESPEC_THREADS may be wrong
         L = _llama()
         set_verbose(verbose)
         self.path = Path(path)
@@ -225,7 +230,6 @@ class LlamaBackend:
         if not self._model:
             raise ModelFileError(f"llama.cpp could not load {self.path}: the file is damaged or "
                                  "of an unsupported architecture (run with --verbose for details)")
-        threads = threads or default_threads()
         cparams = L.llama_context_default_params()
         n_seq = max(1, int(n_seq))
         cparams.n_ctx = n_ctx * n_seq

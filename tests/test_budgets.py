@@ -348,3 +348,17 @@ def test_plan_says_what_run_and_the_library_do_over_a_grid(smol, budget, monkeyp
                 quantized = "q8_0" in said["memory_mode"]
                 assert kw["type_k"] == ("q8_0" if quantized else "f16")
                 assert kw.get("repack", True) == ("no repack" not in said["memory_mode"])
+
+
+@pytest.mark.parametrize("value", ["two", "0", "1000"])
+def test_a_bad_edgespec_threads_is_a_one_line_error(monkeypatch, smol, capsys, value):
+    """$EDGESPEC_THREADS is --threads' default (the test workers share the cores with it)."""
+    from edgespec.backend import default_threads
+    monkeypatch.setenv("EDGESPEC_THREADS", "1")
+    assert default_threads() == 1
+    monkeypatch.setenv("EDGESPEC_THREADS", value)
+    with pytest.raises(UsageError, match="EDGESPEC_THREADS"):
+        default_threads()
+    assert main(["run", "--target", str(smol), "--prompt", "hi", "-n", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "EDGESPEC_THREADS" in err and "from 1 to its" in err and len(err.splitlines()) == 1

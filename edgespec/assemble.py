@@ -140,7 +140,8 @@ class Settings:
             if self.threads > cpus:
                 # more threads than CPUs wait on each other: a token costs seconds, not milliseconds
                 raise UsageError(f"threads (--threads) {self.threads} is more than the {cpus} CPUs this process "
-                                 f"can use: pass {cpus} or fewer, or leave it out (default: physical cores)")
+                                 f"can use: pass {cpus} or fewer, or leave it out (default: $EDGESPEC_THREADS, "
+                                 "else physical cores)")
         else:
             from .backend import default_threads
             default_threads()  # $EDGESPEC_THREADS, checked as --threads is

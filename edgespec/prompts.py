@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .chat import Checked, render, render_segments, validate_messages
+from .chat import render, render_segments, validate_messages
 from .constraints import Constraint, Guide, tokenizer_for
 from .errors import ConstraintError, ContextLengthError, UsageError
 from .request import Request, check_text
@@ -120,7 +120,7 @@ class PromptBuilder:
         messages were dropped)."""
         if overflow not in ("error", "drop-oldest"):
             raise UsageError(f"overflow must be 'error' or 'drop-oldest', got {overflow!r}")
-        messages = Checked(validate_messages(messages))  # a copy: turns may be dropped from it
+        messages = validate_messages(messages)
         dropped = 0
         while True:
             try:
@@ -138,7 +138,8 @@ class PromptBuilder:
                     gone += 1
                 if first + gone >= len(messages):  # that would take the last message too
                     raise
-                del messages[first:first + gone]
+                # a new list, checked again (a result left without its call is refused)
+                messages = validate_messages(messages[:first] + messages[first + gone:])
                 dropped += gone
 
     def prepare_chat(self, messages, request: Optional[Request] = None, *, room: Optional[int] = None,
@@ -157,8 +158,8 @@ class PromptBuilder:
                 if fmt.name == "mistral":  # its marker is a control token: the grammar names it by id
                     ids = t.tokenize(fmt.TAG, add_bos=False, special=True)
                     fmt.marker_id = ids[0] if len(ids) == 1 else None
+            # the format's rewrite is checked again (what the template sees)
             messages, extra = fmt.render_messages(list(messages), request.tools)
-            messages = Checked(messages)  # the format's own rewrite of checked turns
             if request.tools is not None:
                 grammar = fmt.grammar(request.tools)
                 if grammar is not None:

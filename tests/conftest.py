@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/fakes.py
 # `make test` runs the suite in worker processes (pytest-xdist, one per core): each worker's
 # llama.cpp then gets its share of the cores, and the servers and CLIs it starts inherit it.
 # More threads than cores would wait on each other (a token costs seconds, see calibrate.py).
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not os.environ.get("EDGESPEC_THREADS"):
     from edgespec.backend import default_threads
-    os.environ["EDGESPEC_THREADS"] = str(max(1, default_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    share = min(default_threads(), _cpus()) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["EDGESPEC_THREADS"] = str(max(1, share))
+
+
+@pytest.fixture
+def own_tables(tmp_path_factory, monkeypatch):
+    """A private copy of edgespec's cache for one test (its calibrations, probe and self-test
+    records; the models stay where they are): no other test worker measures, corrects or writes a
+    cost table while this test's engines decide on one."""
+    from edgespec.registry import cache_dir
+    src, dst = cache_dir(), tmp_path_factory.mktemp("edgespec-cache")
+    for name in ("calibration", "probe", "selftest"):
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name)
+    monkeypatch.setenv("EDGESPEC_CACHE", str(dst))
+    return dst
 
 
 def pytest_collection_modifyitems(config, items):

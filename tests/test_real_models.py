@@ -9,7 +9,9 @@ from scipy import stats as sps
 
 from edgespec import Engine
 from edgespec.backend import default_threads
+
 from edgespec.sampling import SamplingParams, warp
+from tables import one_table
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -237,7 +239,7 @@ EDIT = ("Rename the variable `total` to `acc` everywhere in this function and sh
 
 
 @pytest.mark.qwen
-def test_bit_exact_equals_plain_and_the_default_repeats_itself_qwen_pair(qwen_pair):
+def test_bit_exact_equals_plain_and_the_default_repeats_itself_qwen_pair(qwen_pair, own_tables):
     """Issue 39. With bit_exact auto keeps every pass within the rows this build computes as a
     single-token decode does, and its T = 0 tokens equal plain decoding's, bit for bit, also on an
     edit, where the default drafts long copies beyond that limit. The default's decisions are a
@@ -255,11 +257,9 @@ def test_bit_exact_equals_plain_and_the_default_repeats_itself_qwen_pair(qwen_pa
             assert r.stats.costs["bit_exact"] is True
     runs = []
     for _ in range(2):
-        with Engine.load(str(target), draft=str(draft), n_ctx=1024) as eng:
+        with one_table(Engine.load(str(target), draft=str(draft), n_ctx=1024)) as eng:
             # no correction adopted or written back meanwhile (one that holds would change the
             # table decided on, as said in docs/exactness.md): both engines decide on one table
-            online = eng.drafter.policy.online
-            online.persist, online.PERSIST_AFTER = None, 10**9
             ptoks = eng.chat_tokens([{"role": "user", "content": EDIT}])
             for _ in range(2):
                 r = eng.generate(ptoks, max_tokens=n)

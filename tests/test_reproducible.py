@@ -12,6 +12,8 @@ import pytest
 from edgespec import Engine
 from edgespec.registry import workloads_path
 from edgespec.slots import PIECE
+from tables import one_table
+
 
 N = 24  # tokens an answer: enough to part where a near-tie flips (the probe's parted at 13)
 
@@ -51,11 +53,7 @@ def _prompts(eng, short: bool = False):
 def _load(model, **kw):
     """An engine whose cost table stays the one on disk: a correction adopted mid-test would change
     later decisions, as docs/exactness.md says (every engine here then decides on one table)."""
-    eng = Engine.load(str(model), **kw)
-    policy = getattr(eng.drafter, "policy", None)
-    if policy is not None:
-        policy.online.persist, policy.online.PERSIST_AFTER = None, 10**9
-    return eng
+    return one_table(Engine.load(str(model), **kw))
 
 
 def _check(model, draft, tmp_path, long: bool = True):
@@ -94,12 +92,12 @@ def _check(model, draft, tmp_path, long: bool = True):
 
 
 @pytest.mark.slow
-def test_every_path_to_a_prompt_gives_its_answer_alone_smollm2(smol, tmp_path):
+def test_every_path_to_a_prompt_gives_its_answer_alone_smollm2(smol, tmp_path, own_tables):
     _check(smol, None, tmp_path)
 
 
 @pytest.mark.qwen
-def test_every_path_to_a_prompt_gives_its_answer_alone_qwen_pair(qwen_pair, tmp_path):
+def test_every_path_to_a_prompt_gives_its_answer_alone_qwen_pair(qwen_pair, tmp_path, own_tables):
     _check(*qwen_pair, tmp_path, long=False)
 
 

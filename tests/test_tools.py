@@ -348,9 +348,9 @@ def test_a_call_in_a_fenced_json_block_is_a_call_and_a_code_block_streams():
 
 
 def test_a_chat_requests_messages_are_checked_once(monkeypatch):
-    """prepare_chat checks the caller's messages, a tool format rewrites them, the template renders
-    them (whole or in segments): one check, not one per step; a list changed afterwards (not the
-    checked copy) is checked again."""
+    """prepare_chat checks the caller's messages, and the tool format's rewrite of them once more
+    (what the template sees); rendering them (whole or in segments) checks nothing again. A list
+    changed afterwards (not the checked copy) is checked again."""
     import edgespec.chat as chat
     import edgespec.prompts as prompts
     from edgespec.engine import Engine
@@ -370,8 +370,28 @@ def test_a_chat_requests_messages_are_checked_once(monkeypatch):
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": '{"temperature": 17}'}]
     eng.prepare_chat(convo, Request(max_tokens=2, tools=ToolSpec.build(TOOLS, "none")))  # no grammar
+    assert sum(checked) == 2  # the caller's turns, the format's rewrite; rendering checks nothing again
+    checked.clear()
+    eng.prepare_chat(ASK, Request(max_tokens=2))
     assert sum(checked) == 1
     once = real(ASK)
     assert real(once) is once and real(list(once)) is not once
     with pytest.raises(UsageError, match="role"):
         eng.prepare_chat([{"role": "robot", "content": "hi"}])
+
+
+def test_dropping_old_turns_never_leaves_a_tool_result_without_its_call():
+    """overflow="drop-oldest" drops the oldest turns until the conversation fits; a turn list it
+    leaves behind is checked again: a tool result whose call went is refused, as it would be sent."""
+    from edgespec.engine import Engine
+    from fakes import FakeBackend
+    import numpy as np
+    eng = Engine(FakeBackend(np.zeros((6, 6), dtype=np.float32), n_ctx=64))
+    call = {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    convo = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "word " * 30},
+             {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "user", "content": "and then"}, {"role": "tool", "tool_call_id": "a", "content": "noon"}]
+    eng.conversation_tokens(convo, overflow="drop-oldest")  # fits once the long user turn goes: fine
+    with pytest.raises(UsageError, match="tool result for call 'a'"):
+        eng.conversation_tokens(convo[:1] + convo[2:3] + [{"role": "user", "content": "word " * 60}] + convo[3:],
+                                overflow="drop-oldest")

@@ -275,8 +275,10 @@ def _context_overhead(L, tmp: str) -> dict:
 def _key() -> dict:
     """What the figures depend on: the interpreter, the llama.cpp build, the machine."""
     import platform
+    from .backend import default_threads
     key = {"probe": PROBE_VERSION, "python": sys.executable, "python_version": sys.version,
-           "machine": platform.machine(), "node": platform.node(), "platform": platform.platform()}
+           "machine": platform.machine(), "node": platform.node(), "platform": platform.platform(),
+           "threads": default_threads()}  # the context the probe measures runs this many
     try:
         from importlib.metadata import version
         key["llama_cpp"] = version("llama_cpp_python")

@@ -40,9 +40,24 @@ def own_tables(tmp_path_factory, monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first (the Qwen pair's, then those marked slow), so that the workers of
-    `make test` start them at once and no long test is left running alone at the end."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("qwen") else 1 if item.get_closest_marker("slow") else 2)
+    """The longest tests (the Qwen pair's, then those marked slow) start first, shared out among
+    the workers of `make test`: xdist's work stealing hands worker i the i-th contiguous share of
+    this order at the start and steals only from the ends of the shares, so each share begins with
+    its part of the long tests (dealt in turn) and no worker is left with all of them."""
+    def rank(item):
+        return 0 if item.get_closest_marker("qwen") else 1 if item.get_closest_marker("slow") else 2
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    long = sorted((i for i in items if rank(i) < 2), key=rank)
+    rest = [i for i in items if rank(i) == 2]
+    shares = [long[w::workers] for w in range(workers)]
+    order, left = [], len(items)
+    for w, share in enumerate(shares):  # xdist's split: what is left, over the workers left
+        size = left // (workers - w)
+        take = max(0, size - len(share))
+        order += share + rest[:take]
+        rest = rest[take:]
+        left -= len(share) + take
+    items[:] = order + rest
 
 
 def _model(pair: str, role: str = "target") -> Path:

@@ -13,6 +13,7 @@ Set EDGESPEC_SELFTEST=off to skip it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -238,8 +239,10 @@ def rebuild_hint(amx_off: bool = False) -> str:
 
 
 def build_key() -> str | None:
-    """Names the installed llama.cpp build on this machine: its library files' names, sizes and times,
-    and the CPU (a home folder shared between machines must not carry one machine's pass to another)."""
+    """Names the installed llama.cpp build on this machine: its library files' names and contents,
+    and the CPU (a home folder shared between machines must not carry one machine's pass to another).
+    By content, not file times: the same wheel installed again (a new venv, a clean clone) is the
+    same build, and keeps its self-test and calibrations."""
     import importlib.util
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
@@ -252,8 +255,18 @@ def build_key() -> str | None:
     for f in sorted(pkg.rglob("*")):
         if f.suffix in (".so", ".dylib", ".dll") or ".so." in f.name:
             st = f.stat()
-            h.update(f"{f.relative_to(pkg)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+            h.update(f"{f.relative_to(pkg)}:{_content_digest(str(f), st.st_size, st.st_mtime_ns)}\n".encode())
     return h.hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=64)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    """A library file's sha256, read once per process while its size and time stay the same."""
+    d = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            d.update(chunk)
+    return f"{size}:{d.hexdigest()}"
 
 
 def _has_amx(system_info: str) -> bool:

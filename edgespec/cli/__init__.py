@@ -363,7 +363,8 @@ def cmd_doctor(args) -> int:
         print(f"calibrated ({len(calib)}; `edgespec calibrate PAIR` measures again):")
         for c in calib:
             pair = c["target"] + (f" + {c['draft']}" if c["draft"] else "")
-            print(f"  {pair}, {c['threads']} threads: a target step {c['step_ms']:.0f} ms ({c['source']})")
+            threads = f"{c['threads']} thread{'' if c['threads'] == 1 else 's'}"
+            print(f"  {pair}, {threads}: a target step {c['step_ms']:.0f} ms ({c['source']})")
     else:
         print("calibrated: nothing yet (the first `run` with --drafter auto measures this device, ~20 s)")
     if not report["gpu_offload"]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from .defaults import ALL_LAYERS, GAMMA, N_CTX
+from .defaults import ALL_LAYERS, GAMMA, N_CTX, cpu_count
 from .errors import UsageError
 from .progress import ProgressCallback, log
 
@@ -64,15 +64,6 @@ FLASH_ATTN = ("on", "off", "auto")
 DEFAULT_CACHE_MAX = 2**30  # the default prompt cache: at most 1 GiB of host RAM
 KV_TYPE_NAMES = ("f16", "q8_0", "q4_0")  # backend.KV_TYPES, without importing llama.cpp
 MAX_PARALLEL = 64
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask, where the OS has one)."""
-    import os
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def offloaded_layers(n_gpu_layers: int) -> int:

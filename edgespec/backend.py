@@ -21,7 +21,7 @@ from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from .defaults import ALL_LAYERS, N_CTX
+from .defaults import ALL_LAYERS, N_CTX, cpu_count
 from .errors import Aborted, BackendError, ModelFileError, UsageError
 
 log = logging.getLogger("edgespec")
@@ -141,10 +141,7 @@ def default_threads() -> int:
             n = int(env)
         except ValueError:
             n = 0
-        try:
-            cpus = len(os.sched_getaffinity(0)) or 1
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
+        cpus = cpu_count()
         if not 1 <= n <= cpus:
             raise UsageError(f"{THREADS_ENV}={env!r} is not a thread count for this machine: set a whole number "
                              f"from 1 to its {cpus} CPUs, or unset it (the default is the physical cores)")

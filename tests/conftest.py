@@ -12,16 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/fakes.py
 # `make test` runs the suite in worker processes (pytest-xdist, one per core): each worker's
 # llama.cpp then gets its share of the cores, and the servers and CLIs it starts inherit it.
 # More threads than cores would wait on each other (a token costs seconds, see calibrate.py).
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not os.environ.get("EDGESPEC_THREADS"):
     from edgespec.backend import default_threads
-    share = min(default_threads(), _cpus()) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    from edgespec.defaults import cpu_count
+    share = min(default_threads(), cpu_count()) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ["EDGESPEC_THREADS"] = str(max(1, share))
 
 

@@ -158,17 +158,25 @@ def test_server_prints_the_cache_and_reports_cached_tokens(cached_server):
 
 
 @pytest.mark.slow
-def test_server_rss_stays_within_the_cache_bound_over_eight_conversations(cached_server):
-    """Eight new conversations of ~600 tokens (~14 MiB of KV each): the 48 MiB cache overflows
-    twice over and evicts; the process grows by the cache's bound and a margin, no more."""
+def test_server_rss_stays_within_the_cache_bound_over_many_conversations(cached_server):
+    """Twelve conversations of 900-950 tokens (~21 MiB of KV each) that share an 810-token system
+    prompt, as an agent's do: each computes only its own last 130-180 tokens, but the cache keeps each
+    one's whole KV. Measured from the fifth on (the four sequences' KV has been touched by then), the
+    48 MiB cache overflows three times over and evicts; the process grows by the cache's bound and
+    a margin, no more."""
     proc = psutil.Process(cached_server.proc.pid)
-    before = proc.memory_info().rss
-    for i in range(8):
-        conv = [{"role": "system", "content": f"Conversation {i}. " + SYSTEMS[i % 3] * 2},
-                {"role": "user", "content": QUESTIONS[i % 3][0]}]
-        assert _chat(cached_server, conv, max_tokens=4).status_code == 200
+    for i in range(12):
+        if i == 4:
+            before = proc.memory_info().rss
+        conv = [{"role": "system", "content": SYSTEMS[0] * 3},
+                {"role": "user", "content": f"Conversation {i}. " + QUESTIONS[i % 3][0] * 24}]
+        r = _chat(cached_server, conv, max_tokens=4)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 896, r.text  # past a piece
     grown = proc.memory_info().rss - before
     assert grown <= (48 + 40) * 2**20, grown / 2**20
+    metrics = httpx.get(cached_server.url + "/metrics", timeout=30).text
+    evictions = [line for line in metrics.splitlines() if line.startswith("edgespec_prompt_cache_evictions_total")]
+    assert evictions and float(evictions[0].split()[-1]) >= 3, metrics
 
 
 def test_server_overflow_is_400_context_length_exceeded(cached_server, smol, tmp_path):

@@ -5,12 +5,12 @@ import json
 import numpy as np
 import psutil
 import pytest
-from scipy import stats as sps
 
 from edgespec import Engine
 from edgespec.backend import default_threads
 
 from edgespec.sampling import SamplingParams, warp
+from chisq import chi2_pvalue
 from tables import one_table
 
 PROMPTS = [
@@ -166,23 +166,6 @@ def _exact_first_two(eng, ptoks, params):
     return p1, p2
 
 
-def _chi2_pvalue(counts, probs, min_expected=5.0):
-    """Pearson chi-square; categories expected fewer than 5 times are pooled."""
-    # a token drawn where the exact law has no mass is an outright failure
-    assert counts[probs == 0].sum() == 0, np.flatnonzero((probs == 0) & (counts > 0))
-    exp = probs / probs.sum() * counts.sum()  # float32 rows: renormalise the last bits away
-    big = exp >= min_expected
-    obs_c = np.append(counts[big], counts[~big].sum())
-    exp_c = np.append(exp[big], exp[~big].sum())
-    if exp_c[-1] < min_expected:  # pool the remainder into the smallest kept category
-        obs_c, exp_c = obs_c[:-1], exp_c[:-1]
-        j = int(np.argmin(exp_c))
-        obs_c[j] += counts[~big].sum()
-        exp_c[j] += exp[~big].sum()
-    stat = float(((obs_c - exp_c) ** 2 / exp_c).sum())
-    return float(sps.chi2.sf(stat, len(obs_c) - 1))
-
-
 @pytest.mark.slow
 def test_t1_first_two_tokens_follow_the_target_law_on_real_models(smol, smol_draft):
     """600 draws of the first two tokens with a genuinely different draft; the chi-square
@@ -207,8 +190,8 @@ def test_t1_first_two_tokens_follow_the_target_law_on_real_models(smol, smol_dra
             drafted += r.stats.drafted
             accepted += r.stats.accepted
     assert 0.05 < accepted / drafted < 0.95  # both acceptance and rejection were exercised
-    assert _chi2_pvalue(c1, p1) > 1e-4
-    assert _chi2_pvalue(c2, p2) > 1e-4
+    assert chi2_pvalue(c1, p1) > 1e-4
+    assert chi2_pvalue(c2, p2) > 1e-4
 
 
 def test_stream_text_equals_generate_text_and_marks_draft_tokens(smol, smol_draft):

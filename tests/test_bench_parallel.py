@@ -1,5 +1,5 @@
-"""`bench --parallel-requests`: the several-requests benchmark runs end to end on SmolLM2 (2 prompts,
-8 tokens) and writes the fields the docs describe. Nothing here asserts a speed."""
+"""`bench --parallel-requests`: the several-requests benchmark runs end to end on SmolLM2 (2 short
+prompts, 8 tokens) and writes the fields the docs describe. Nothing here asserts a speed."""
 import json
 
 import pytest
@@ -10,7 +10,7 @@ from test_cli import assert_usage_error, run_cli
 def report(smol, tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel") / "p.json"
     from edgespec.cli import main
-    code = main(["bench", "--target", str(smol), "--parallel-requests", "2", "--kinds", "edit,code",
+    code = main(["bench", "--target", str(smol), "--parallel-requests", "2", "--kinds", "code,chat",
                  "--max-tokens", "8", "--ctx", "1024", "--out", str(out)])
     assert code == 0
     return json.loads(out.read_text())
@@ -21,7 +21,7 @@ def test_report_has_both_modes_and_both_parts(report):
     assert (report["max_tokens"], report["long_tokens"], report["short_tokens"]) == (8, 16, 2)
     assert set(report["modes"]) == {"auto", "none"}
     for name, m in report["modes"].items():
-        assert [p["kind"] for p in m["prompts"]] == ["edit", "code"]
+        assert [p["kind"] for p in m["prompts"]] == ["code", "chat"]
         for part in ("serial", "concurrent"):
             assert m[part]["tokens"] == sum(p[part]["generated"] for p in m["prompts"]) > 0
             assert m[part]["wall_s"] > 0 and m[part]["tps"] > 0

@@ -19,15 +19,15 @@ def _pieces(n: int) -> int:
 
 # long enough for a whole canonical piece (slots.PIECE): a later turn reuses the earlier prompt's
 # whole pieces, and computes the rest (its last piece, the answer, the new message) as alone
-SYSTEMS = ["You are a helpful assistant for a bakery. " * 30, "You are a terse travel agent who loves trains. " * 25,
-           "You are a chess coach who explains openings. " * 25]
+SYSTEMS = ["You are a helpful assistant for a bakery. " * 16, "You are a terse travel agent who loves trains. " * 14,
+           "You are a chess coach who explains openings. " * 17]
 QUESTIONS = [["What bread is best?", "And for toast?"], ["Paris to Rome?", "How long?"],
              ["Best opening?", "Why?"]]
 ROUND_ROBIN = [(t, c) for t in range(2) for c in range(3)]
 STRAIGHT = [(t, c) for c in range(3) for t in range(2)]
 
 
-def _talk(eng: Engine, order, max_tokens=12) -> tuple[dict, dict]:
+def _talk(eng: Engine, order, max_tokens=8) -> tuple[dict, dict]:
     convs = [[{"role": "system", "content": s}] for s in SYSTEMS]
     answers, stats = {}, {}
     for turn, c in order:
@@ -168,7 +168,7 @@ def test_server_rss_stays_within_the_cache_bound_over_many_conversations(cached_
     for i in range(12):
         if i == 4:
             before = proc.memory_info().rss
-        conv = [{"role": "system", "content": SYSTEMS[0] * 3},
+        conv = [{"role": "system", "content": "You are a helpful assistant for a bakery. " * 90},
                 {"role": "user", "content": f"Conversation {i}. " + QUESTIONS[i % 3][0] * 24}]
         r = _chat(cached_server, conv, max_tokens=4)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 896, r.text  # past a piece

@@ -334,7 +334,7 @@ def test_health_and_the_ready_line_show_parallel(server):
 
 @pytest.mark.slow
 def test_two_streams_sent_at_once_both_start_before_either_ends_with_their_solo_answers(roomy):
-    prompts, max_tokens = [COUNT, TENS], 160
+    prompts, max_tokens = [COUNT, TENS], 96
     client = _client(roomy)
     alone = []
     for p in prompts:  # one after the other: each generates alone

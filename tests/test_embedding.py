@@ -38,16 +38,16 @@ def test_two_threads_are_served_in_turn_each_with_its_solo_answer(smol):
     out = run_child(f"""
         import threading
         from edgespec import Engine
-        jobs = [("{PROMPT}", dict(max_tokens=40)),
-                ("List five rivers of Europe.", dict(max_tokens=40, temperature=0.8, seed=3)),
-                ("{PROMPT}", dict(max_tokens=30, temperature=1.0, top_k=20, seed=9))]
+        jobs = [("{PROMPT}", dict(max_tokens=24)),
+                ("List five rivers of Europe.", dict(max_tokens=24, temperature=0.8, seed=3)),
+                ("{PROMPT}", dict(max_tokens=20, temperature=1.0, top_k=20, seed=9))]
         chat = lambda eng, p, kw: eng.chat([{{"role": "user", "content": p}}], **kw)
         with Engine.load({str(smol)!r}, drafter="ngram", n_ctx=1024) as eng:
             solo = []
             for p, kw in jobs:
                 eng.reset()
                 solo.append(chat(eng, p, kw).tokens)
-            assert all(len(t) >= 20 for t in solo), [len(t) for t in solo]
+            assert all(len(t) >= 16 for t in solo), [len(t) for t in solo]
             for rnd in range(2):
                 got = [None] * len(jobs)
                 def work(i):

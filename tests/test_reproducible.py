@@ -23,16 +23,16 @@ def _text() -> str:
     return "\n\n".join(prompts)
 
 
-def _together(*streams):
-    """Read the streams in turn, a token each, until all have ended: their rounds interleave."""
-    live = list(streams)
-    while live:
-        for s in list(live):
-            try:
-                next(s)
-            except StopIteration:
-                live.remove(s)
-    return [s.result() for s in streams]
+def _beside(running, stream):
+    """Read the two streams in turn, a token each, until `stream` has ended (their rounds
+    interleave); `running` only had to be in flight meanwhile, and is closed then."""
+    while True:
+        next(running, None)
+        try:
+            next(stream)
+        except StopIteration:
+            running.close()
+            return stream.result()
 
 
 def _prompts(eng, short: bool = False):
@@ -67,11 +67,11 @@ def _check(model, draft, tmp_path, long: bool = True):
         running = eng.stream(p["running"], max_tokens=3 * N)
         next(running)
         joining = eng.stream(p["copy"], max_tokens=N)  # the running one holds 700 of its tokens
-        _, got["copy"] = _together(running, joining)
+        got["copy"] = _beside(running, joining)
         if long:
             running = eng.stream(p["running"], max_tokens=3 * N)
             next(running)
-            _, got["long"] = _together(running, eng.stream(p["long"], max_tokens=N))
+            got["long"] = _beside(running, eng.stream(p["long"], max_tokens=N))
             got["repeat"] = eng.generate(p["long"], max_tokens=N)
             assert got["repeat"].stats.reused_prompt_tokens >= len(p["long"]) - PIECE
     assert got["copy"].stats.reused_prompt_tokens >= PIECE  # it did come through the copy

@@ -8,7 +8,7 @@ import pytest
 
 from edgespec.cli import main
 
-SYSTEM = "You are a terse coding agent. " * 24  # ~150 tokens: a whole piece, which the cache keeps
+SYSTEM = "You are a terse coding agent. " * 24  # ~190 tokens: a whole piece, which the cache keeps
 TURN1 = [{"role": "user", "content": "Name a sorting algorithm."}]
 TURN2 = TURN1 + [{"role": "assistant", "content": "Merge sort."}, {"role": "user", "content": "Its complexity?"}]
 

@@ -36,9 +36,23 @@ class ServerProcess:
         self.stop()
         pytest.fail(f"the server did not start:\n{self.log.read_text()}")
 
+    def _auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
     def health(self) -> httpx.Response:
-        auth = {"Authorization": f"Bearer {self.key}"} if self.key else {}
-        return httpx.get(self.url + "/health", headers=auth, timeout=30)
+        return httpx.get(self.url + "/health", headers=self._auth(), timeout=30)
+
+    def metrics(self) -> dict:
+        """/metrics, parsed by prometheus_client: {sample name with its labels: (family type, value)}."""
+        from prometheus_client.parser import text_string_to_metric_families
+        r = httpx.get(self.url + "/metrics", headers=self._auth(), timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+        out = {}
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))
+                out[key] = (family.type, s.value)
+        return out
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT

@@ -157,11 +157,7 @@ def test_server_prints_the_cache_and_reports_cached_tokens(cached_server):
         assert r["edgespec"]["restored_prompt_tokens"] == r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def _evictions(srv) -> float:
-    metrics = httpx.get(srv.url + "/metrics", timeout=30).text
-    found = [line for line in metrics.splitlines() if line.startswith("edgespec_prompt_cache_evictions_total ")]
-    assert found, metrics
-    return float(found[0].split()[-1])
+EVICTIONS = "edgespec_prompt_cache_evictions_total"
 
 
 @pytest.mark.slow
@@ -174,14 +170,14 @@ def test_server_rss_stays_within_the_cache_bound_over_many_conversations(cached_
     proc = psutil.Process(cached_server.proc.pid)
     for i in range(12):
         if i == 4:
-            before, evicted = proc.memory_info().rss, _evictions(cached_server)
+            before, evicted = proc.memory_info().rss, cached_server.metrics()[EVICTIONS][1]
         conv = [{"role": "system", "content": "You are a helpful assistant for a bakery. " * 90},
                 {"role": "user", "content": f"Conversation {i}. " + QUESTIONS[i % 3][0] * 24}]
         r = _chat(cached_server, conv, max_tokens=4)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 896, r.text  # past a piece
     grown = proc.memory_info().rss - before
     assert grown <= (48 + 40) * 2**20, grown / 2**20
-    assert _evictions(cached_server) - evicted >= 3
+    assert cached_server.metrics()[EVICTIONS][1] - evicted >= 3
 
 
 def test_server_overflow_is_400_context_length_exceeded(cached_server, smol, tmp_path):

@@ -11,7 +11,6 @@ import httpx
 import jsonschema
 import ollama
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serverproc import ServerProcess
 
@@ -67,17 +66,6 @@ def _openai_chat(server, messages, n=24) -> dict:
                                                 "max_tokens": n})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def _metrics(server) -> dict:
-    r = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    out = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))
-            out[key] = (family.type, s.value)
-    return out
 
 
 # -- discovery: what apps read before they chat -------------------------------------------------
@@ -186,9 +174,9 @@ def test_format_json_schema_and_json_validate(client, name):
 
 # -- metrics --------------------------------------------------------------------------------------
 def test_metrics_count_a_request_in_llamacpps_names(server, client, name):
-    before = _metrics(server)
+    before = server.metrics()
     r = client.chat(model=name, messages=COUNTING, options={"temperature": 0, "num_predict": 24})
-    after = _metrics(server)
+    after = server.metrics()
     for family in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total",
                    "llamacpp:spec_decode_num_draft_tokens_total", "llamacpp:spec_decode_num_accepted_tokens_total",
                    "llamacpp:spec_decode_num_drafts_total", "llamacpp:prompt_seconds_total",

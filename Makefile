@@ -54,16 +54,21 @@ test-models: setup
 # real PyPI is left to `make test-network` (the mirror code runs for real in test-models).
 # The suite runs in a worker per physical core (at most 4: each loads its own models), the
 # longest tests first; each worker's llama.cpp gets its share of the cores (tests/conftest.py).
+# PYTHONDONTWRITEBYTECODE= : a module's bytecode is written the first time it is imported (in the venv,
+# in __pycache__ here); with the variable set, as some images do, each Python process of the suite
+# (its workers, every server and CLI it starts) compiled openai, fastapi, pydantic and edgespec from
+# source again: 1-3 s of CPU apiece.
 XDIST := -n auto --maxprocesses 4 --dist worksteal --durations=10
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 test: setup test-models lint
-	$(PY) -m pytest -q -m "not network" $(XDIST)
+	$(PYTEST) -q -m "not network" $(XDIST)
 
 test-network: setup
 	$(PY) -m pytest -q -m network
 
 # the quick loop while working: no wheel build, no Qwen pair
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not qwen" $(XDIST)
+	$(PYTEST) -q -m "not slow and not qwen" $(XDIST)
 
 bench: setup
 	$(PY) -m edgespec bench $(PAIR) --modes auto,model,ngram,lookup-peer --sweep 2,4,8,16,32 --out bench-results/bench.json

@@ -82,11 +82,11 @@ def assert_equal_up_to_a_near_tie(spec, plain, rows, eos):
     return i
 
 
-def _greedy_spec_vs_plain(target, draft, n, gamma, drafter="model"):
+def _greedy_spec_vs_plain(target, draft, n, gamma, drafter="model", prompts=PROMPTS):
     parted = []
     with Engine.load(str(target), draft=str(draft) if draft else None, drafter=drafter, n_ctx=1024,
                      gamma=gamma) as eng:
-        for prompt in PROMPTS:
+        for prompt in prompts:
             ptoks = eng.chat_tokens([{"role": "user", "content": prompt}])
             plain, rows = plain_greedy_with_logits(eng.target, ptoks, n)
             eng.reset()
@@ -110,14 +110,18 @@ def test_ngram_greedy_equals_plain_greedy_smollm2(smol):
 
 @pytest.mark.qwen
 def test_speculative_greedy_equals_plain_greedy_qwen_pair(qwen_pair):
-    parted = _greedy_spec_vs_plain(*qwen_pair, 32, gamma=4)
-    assert parted[0] is None  # the code prompt has no near-tie in its first 32 tokens
-    assert all(p is None or p >= 8 for p in parted), parted
+    # the code prompt only: it has no near-tie in its first 32 tokens, so the outputs must be identical
+    # (the chat prompt's parting at a near-tie is SmolLM2's case above; on this pair it cost 9 s more)
+    assert _greedy_spec_vs_plain(*qwen_pair, 32, gamma=4, prompts=PROMPTS[:1]) == [None]
 
 
 @pytest.mark.slow
-def test_kv_caches_hold_exactly_the_committed_tokens_on_llama_cpp(smol, smol_draft):
-    with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=512, gamma=3) as eng:
+def test_kv_caches_hold_exactly_the_committed_tokens_and_rss_stays_flat_over_150_generations(smol, smol_draft):
+    """After every round of 150 short sampled generations (a prompt, then rounds of two drafts,
+    some of them rejected), both KV caches hold exactly the committed tokens; the process's
+    memory does not grow with generations or with rejected drafts (the fake-backend test checks
+    1,000 rounds position by position). One test for what were two: the same rounds prove both."""
+    with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=512, gamma=2) as eng:
         target, drafter = eng.target, eng.drafter
         checks = []
         observe = drafter.observe
@@ -132,18 +136,20 @@ def test_kv_caches_hold_exactly_the_committed_tokens_on_llama_cpp(smol, smol_dra
         drafter.observe = checked_observe
         rss = []
         proc = psutil.Process()
-        rounds = 0
-        while rounds < 150:
-            r = eng.generate("Once upon a time", max_tokens=200, temperature=1.0, seed=rounds)
-            rounds += r.stats.rounds
-            rss.append(proc.memory_info().rss)
+        ptoks = eng.tokenize("List some fruits:")
+        drafted = accepted = 0
+        for i in range(150):
+            r = eng.generate(ptoks, max_tokens=3, temperature=1.0, seed=i)
+            drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+            if i in (49, 149):
+                rss.append(proc.memory_info().rss)
         assert len(checks) >= 150
+        assert 0 < accepted < drafted  # drafts were accepted, and rejected ones cut back
         for t_max, want, t_same, d_max, d_want, d_same in checks:
             assert t_max == want and t_same
             assert d_max == d_want and d_same and d_max <= want
-        # 150+ rounds in a 512-token context: memory does not grow with rejected drafts
-        # (the fake-backend test checks 1,000 rounds position by position)
-        assert rss[-1] - rss[0] < 16 * 2**20, [r / 2**20 for r in rss]
+    # 100 generations, 2% of the process: a leak of 80 KiB a generation fails
+    assert (rss[1] - rss[0]) / rss[0] < 0.02, [r / 2**20 for r in rss]
 
 
 def _exact_first_two(eng, ptoks, params):

@@ -174,10 +174,13 @@ def test_bad_tool_requests_are_400_naming_the_field(smol_client):
 
 
 @pytest.mark.qwen
-def test_tool_calls_on_the_qwen_pair_in_its_own_format(qwen_pair, tmp_path):
+def test_tool_calls_on_qwen_in_its_own_format(qwen_pair, tmp_path):
+    """Qwen's <tool_call> format through the three APIs. The target alone: the format is the
+    target's, and the draft model only added its catch-up on a CPU (measured 33.6 s with it, 25.6 s
+    without); constrained drafting with a draft model is test_structured.py's `model` case."""
     from serverproc import ServerProcess
-    target, draft = qwen_pair
-    srv = ServerProcess(["--target", str(target), "--draft", str(draft), "--ctx", "2048"], tmp_path)
+    target, _ = qwen_pair
+    srv = ServerProcess(["--target", str(target), "--ctx", "2048"], tmp_path)
     try:
         srv.wait_ready()
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600) as client:

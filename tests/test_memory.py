@@ -6,7 +6,6 @@ import platform
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from edgespec import Engine, probe

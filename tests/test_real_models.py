@@ -236,14 +236,17 @@ def test_bit_exact_equals_plain_and_the_default_repeats_itself_qwen_pair(qwen_pa
     the same tokens (timings measured meanwhile cannot change a draft)."""
     target, draft = qwen_pair
     n = 40
+    # the edit only: on the code prompt auto drafted one token in 39 rounds here (measured), so bit
+    # for bit it was plain decoding against itself
     with Engine.load(str(target), draft=str(draft), n_ctx=1024, bit_exact=True) as eng:
-        for prompt in (EDIT, PROMPTS[0]):
-            ptoks = eng.chat_tokens([{"role": "user", "content": prompt}])
-            plain, _ = plain_greedy_with_logits(eng.target, ptoks, n)
-            eng.reset()
-            r = eng.generate(ptoks, max_tokens=len(plain))
-            assert r.tokens == plain
-            assert r.stats.costs["bit_exact"] is True
+        ptoks = eng.chat_tokens([{"role": "user", "content": EDIT}])
+        plain, _ = plain_greedy_with_logits(eng.target, ptoks, n)
+        eng.reset()
+        r = eng.generate(ptoks, max_tokens=len(plain))
+        assert r.tokens == plain
+        assert r.stats.costs["bit_exact"] is True
+        # drafts within the limit were taken: it was not plain decoding against itself
+        assert sum(v["accepted"] for k, v in r.stats.by_drafter.items() if k in ("copy", "ngram")) > 0
     runs = []
     for repeats in (2, 1):  # twice on one engine, once on a second
         with one_table(Engine.load(str(target), draft=str(draft), n_ctx=1024)) as eng:

@@ -21,11 +21,11 @@ def _backend(path, repack, tk, tv, **kw):
 
 @pytest.mark.parametrize("repack, tk, tv", MODES, ids=lambda v: str(v))
 def test_speculation_equals_plain_decoding_in_each_memory_mode(smol, smol_draft, repack, tk, tv):
-    plain = Engine(_backend(smol, repack, tk, tv)).chat(STORY, max_tokens=48)
+    plain = Engine(_backend(smol, repack, tk, tv)).chat(STORY, max_tokens=32)
     target = _backend(smol, repack, tk, tv)
     spec = Engine(target, ModelDrafter(_backend(smol_draft, repack, tk, tv), target.n_vocab, 4)).chat(
-        STORY, max_tokens=48)
-    lookup = Engine(_backend(smol, repack, tk, tv), NgramDrafter(4)).chat(STORY, max_tokens=48)
+        STORY, max_tokens=32)
+    lookup = Engine(_backend(smol, repack, tk, tv), NgramDrafter(4)).chat(STORY, max_tokens=32)
     assert spec.tokens == plain.tokens and lookup.tokens == plain.tokens
     # drafts were rejected, so the quantized caches were cut back, and still nothing changed
     assert 0 < spec.stats.accepted < spec.stats.drafted

@@ -154,7 +154,6 @@ def test_engine_drops_the_draft_model_when_it_does_not_fit(smol, smol_draft, cap
         Engine.load(str(smol), drafter="none", n_ctx=1024, memory_budget="10MB")
 
 
-@pytest.mark.slow
 # -- the machine probe ----------------------------------------------------------------------
 @pytest.fixture
 def fresh_probe(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ def report(smol, tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_report_has_both_modes_and_both_parts(report):
     assert report["parallel"] == 2 and report["requests"] == 2
     assert (report["max_tokens"], report["long_tokens"], report["short_tokens"]) == (8, 16, 2)

@@ -92,6 +92,7 @@ def report(smol, tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_bench_reports_validity_and_shares_on_real_output(report):
     (row,) = report["rows"]
     assert set(row["modes"]) == {"auto", "none", "grammar-peer"} and row["plain_tps"] > 0

@@ -34,6 +34,7 @@ def engine(smol):
         yield eng
 
 
+@pytest.mark.slow
 def test_two_threads_are_served_in_turn_each_with_its_solo_answer(smol):
     out = run_child(f"""
         import threading

@@ -67,6 +67,7 @@ def _peak_rss(model, ctx, drafter="none"):
     return json.loads(out.stdout)["peak_rss_bytes"]
 
 
+@pytest.mark.slow
 def test_estimate_is_within_10_percent_of_measured_peak_rss(gemma):
     # gemma-3-270m was not used to fit the estimator's constants: an out-of-sample check
     est = estimate_process(read_info(gemma), n_ctx=4096, flash_attn=Settings.flash_attn)["total"]
@@ -91,6 +92,7 @@ def _run_peak(model, ctx, prompt, *flags):
     return json.loads(out.stdout)["peak_rss_bytes"]
 
 
+@pytest.mark.slow
 def test_estimate_bounds_the_peak_of_short_and_near_full_prompts(smol):
     """The issue-20 bands, with the default flash attention: within -3%..+8% of the peak of a
     prompt filling 90% of the context, at most 15% above (never 3% below) a short prompt's."""
@@ -106,6 +108,7 @@ def test_estimate_bounds_the_peak_of_short_and_near_full_prompts(smol):
     assert -0.03 <= (est - short) / short <= 0.15, (est / 2**20, short / 2**20)
 
 
+@pytest.mark.slow
 def test_estimate_bounds_the_near_full_peak_without_flash_attention(smol):
     """Flash attention off: the scores of a micro-batch against every cached position grow with
     the prompt; the estimate is the worst case, a full context."""

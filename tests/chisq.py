@@ -1,7 +1,6 @@
 """Pearson's chi-square test of counts against an exact law, shared by the statistical tests
 (test_exact_fake.py on the fake backend, test_real_models.py on llama.cpp's rows)."""
 import numpy as np
-from scipy import stats as sps
 
 
 def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
@@ -21,4 +20,5 @@ def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
         obs_c[j] += counts[~big].sum()
         exp_c[j] += exp[~big].sum()
     stat = float(((obs_c - exp_c) ** 2 / exp_c).sum())
+    from scipy import stats as sps  # here: scipy.stats costs every worker ~1 s at collection
     return float(sps.chi2.sf(stat, len(obs_c) - 1))

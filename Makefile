@@ -64,7 +64,7 @@ test: setup test-models lint
 	$(PYTEST) -q -m "not network" $(XDIST)
 
 test-network: setup
-	$(PY) -m pytest -q -m network
+	$(PYTEST) -q -m network
 
 # the quick loop while working: no wheel build, no Qwen pair
 test-fast: setup

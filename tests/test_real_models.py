@@ -10,6 +10,7 @@ from edgespec import Engine
 from edgespec.backend import default_threads
 
 from edgespec.sampling import SamplingParams, warp
+from edgespec.slots import PIECE
 from chisq import chi2_pvalue
 from tables import one_table
 
@@ -117,11 +118,13 @@ def test_speculative_greedy_equals_plain_greedy_qwen_pair(qwen_pair):
 
 @pytest.mark.slow
 def test_kv_caches_hold_exactly_the_committed_tokens_and_rss_stays_flat_over_150_generations(smol, smol_draft):
-    """After every round of 150 short sampled generations (a prompt, then rounds of two drafts,
-    some of them rejected), both KV caches hold exactly the committed tokens; the process's
-    memory does not grow with generations or with rejected drafts (the fake-backend test checks
-    1,000 rounds position by position). One test for what were two: the same rounds prove both."""
-    with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=512, gamma=2) as eng:
+    """After every round of one sampled generation that crosses a 128-token piece and of 150 short
+    ones (a prompt, then drafts of up to two tokens, some rejected), both KV caches hold exactly the
+    committed tokens; the process's memory does not grow with generations or with rejected drafts
+    (the fake-backend test checks 1,000 rounds position by position). One test for what were two:
+    the same rounds prove both."""
+    # parallel=1: every generation on sequence 0, so eng.drafter is the lane that observes each round
+    with Engine.load(str(smol), draft=str(smol_draft), drafter="model", n_ctx=512, gamma=2, parallel=1) as eng:
         target, drafter = eng.target, eng.drafter
         checks = []
         observe = drafter.observe
@@ -136,6 +139,9 @@ def test_kv_caches_hold_exactly_the_committed_tokens_and_rss_stays_flat_over_150
         drafter.observe = checked_observe
         rss = []
         proc = psutil.Process()
+        story = "Once upon a time, the sea was calm and the ship sailed on. " * 8  # 113 tokens
+        r = eng.generate(story, max_tokens=48, temperature=1.0, seed=1)
+        assert r.stats.prompt_tokens < PIECE < checks[-1][0]  # it went on past a piece
         ptoks = eng.tokenize("List some fruits:")
         drafted = accepted = 0
         for i in range(150):
@@ -148,8 +154,8 @@ def test_kv_caches_hold_exactly_the_committed_tokens_and_rss_stays_flat_over_150
         for t_max, want, t_same, d_max, d_want, d_same in checks:
             assert t_max == want and t_same
             assert d_max == d_want and d_same and d_max <= want
-    # 100 generations, 2% of the process: a leak of 80 KiB a generation fails
-    assert (rss[1] - rss[0]) / rss[0] < 0.02, [r / 2**20 for r in rss]
+    # over the last 100 generations: a leak of 82 KiB a generation fails
+    assert rss[1] - rss[0] < 8 * 2**20, [r / 2**20 for r in rss]
 
 
 def _exact_first_two(eng, ptoks, params):
@@ -245,8 +251,10 @@ def test_bit_exact_equals_plain_and_the_default_repeats_itself_qwen_pair(qwen_pa
         r = eng.generate(ptoks, max_tokens=len(plain))
         assert r.tokens == plain
         assert r.stats.costs["bit_exact"] is True
-        # drafts within the limit were taken: it was not plain decoding against itself
-        assert sum(v["accepted"] for k, v in r.stats.by_drafter.items() if k in ("copy", "ngram")) > 0
+        # drafts within the limit were taken, so it was not plain decoding against itself (where a
+        # single row is all this build computes as a decode does, an F16 target, auto never drafts)
+        if r.stats.costs["exact_rows"] > 1:
+            assert r.stats.accepted > 0
     runs = []
     for repeats in (2, 1):  # twice on one engine, once on a second
         with one_table(Engine.load(str(target), draft=str(draft), n_ctx=1024)) as eng:

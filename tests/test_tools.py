@@ -199,7 +199,7 @@ def test_tool_calls_on_qwen_in_its_own_format(qwen_pair, tmp_path):
 
 
 def _anthropic_round_trip(url: str) -> None:
-    """Anthropic's Messages API on the Qwen pair: a forced tool_use in its <tool_call> format, whose
+    """Anthropic's Messages API on Qwen: a forced tool_use in its <tool_call> format, whose
     input validates, and its tool_result answered in text."""
     import anthropic
     import jsonschema

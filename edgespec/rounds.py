@@ -180,7 +180,10 @@ def _goes_on(g: Generation, target) -> bool:
     return True
 
 
-_finishing = threading.Lock()  # the llama.cpp thread (a round) and a reader (a stop string, a close) may both end it
+# the llama.cpp thread (a round) and a reader (a stop string, a close) may both end a generation.
+# Reentrant: a stream dropped unclosed is ended by the garbage collector on whatever thread allocates,
+# the loop inside finish() included, and its ending calls finish() for its own generation.
+_finishing = threading.RLock()
 
 
 def finish(g: Generation, reason: Optional[str], force: bool = False) -> None:

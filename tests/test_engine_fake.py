@@ -183,3 +183,29 @@ def test_the_fakes_implement_the_written_interfaces():
     for cls in (ModelDrafter, NgramDrafter, CopyDrafter, AutoDrafter):
         assert issubclass(cls, Drafter) and cls.forks
     assert Drafter().plan([1], 4, None, None).tokens == []  # the default drafts nothing
+
+
+
+def test_a_stream_dropped_unclosed_ends_on_any_thread_without_a_deadlock():
+    """A stream dropped unclosed is garbage in a cycle (it and its generator hold each other), so the
+    collector ends it on whatever thread allocates then. Once in the suite that was the loop thread
+    inside `rounds.finish`, which holds its lock while it allocates; the stream's ending (its
+    generator's `finally`) then waited for that lock forever. Closing the generator is what the
+    collector does."""
+    import threading
+
+    from edgespec import rounds
+    eng = engine()
+    s = eng.stream("0", max_tokens=12)
+    next(s)  # suspended inside its generator
+    done = threading.Event()
+
+    def inside_finish_the_collector_ends_the_stream():
+        with rounds._finishing:  # as the loop holds it inside finish()
+            s._gen.close()
+        done.set()
+    threading.Thread(target=inside_finish_the_collector_ends_the_stream, daemon=True).start()
+    assert done.wait(10), "the stream's ending waited for a lock its own thread held"
+    assert s.generation.finished
+    assert eng.generate("0", max_tokens=4).tokens == [1, 2, 3, 4]  # the engine goes on
+    eng.close()

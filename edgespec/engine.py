@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence, Union
 
@@ -64,12 +65,13 @@ class Stream:
     def __init__(self, engine: "Engine", generation: Generation):
         self._engine = engine
         self.generation = generation
-        self._gen = engine._events(self)
+        self._thread = threading.get_ident()
+        self._ticket = _Ticket(self)  # what the engine holds of it: a stream its reader drops is freed
+        self._gen = engine._events(generation, self._ticket)  # not the stream itself: no cycle to wait for
         self.stats = generation.stats
         self.tokens: list[int] = []
         self._text: list[str] = []
         self._outdated: Optional[EdgespecError] = None  # raised when resumed
-        self._thread = threading.get_ident()
         self._tools = None          # a tools.StreamParser when the request had tools
         self.tool_calls: list = []
         self._ended = False         # the closing event was read, or the stream was closed
@@ -162,6 +164,26 @@ class Stream:
             pass
 
 
+class _Ticket:
+    """An admitted stream's place, as the engine holds it: its generation, and the stream by a weak
+    reference. A stream its reader drops unclosed (`for ev in stream: break`) is then freed at once,
+    and its __del__ gives the place back; held strongly, it kept the place until the engine closed,
+    and a request from another thread waited for it forever."""
+
+    def __init__(self, stream: Stream):
+        self.generation = stream.generation
+        self._thread = stream._thread
+        self._stream = weakref.ref(stream)
+
+    def cancel(self) -> None:
+        self.generation.cancel.set()
+
+    def _invalidate(self, error) -> None:
+        stream = self._stream()
+        if stream is not None:
+            stream._invalidate(error)
+
+
 class _Placeholder:
     """Holds the whole engine for work that is not a stream (reset)."""
 
@@ -204,7 +226,7 @@ class Engine(PromptBuilder):
             raise UsageError(f"the {drafter.name} drafter cannot draft for several sequences: use parallel=1")
         self._lanes = {0: drafter}
         self._admission = threading.Condition()   # admission: who may generate now
-        self._active: list = []              # admitted streams (or one _Placeholder)
+        self._active: list = []              # admitted streams' _Tickets (or one _Placeholder)
         self._work = threading.RLock()       # held while a backend is in use (a round, reset, close)
         self._round_done = threading.Condition()  # notified after every round: readers waiting for tokens
         self._posted = False                 # a round is posted to the llama.cpp thread (_loop)
@@ -362,11 +384,13 @@ class Engine(PromptBuilder):
                     self._drop(old)
                     continue
                 self._admission.wait()
-            holder = stream if stream is not None else _Placeholder(me)
+            holder = stream._ticket if stream is not None else _Placeholder(me)
             active.append(holder)
         return self._Turn(self, holder)
 
     def _release(self, holder) -> None:
+        """Give back the place of `holder`: a stream (its ticket), a ticket or a placeholder."""
+        holder = getattr(holder, "_ticket", holder)
         with self._admission:
             self._drop(holder)
 
@@ -533,10 +557,9 @@ class Engine(PromptBuilder):
                 with self._round_done:  # with a timeout: an interrupt is seen where no signal wakes the wait
                     self._round_done.wait_for(lambda: gen.out or gen.finished or self._closed, timeout=0.25)
 
-    def _events(self, stream: Stream) -> Iterator[StreamEvent]:
+    def _events(self, gen: Generation, ticket: _Ticket) -> Iterator[StreamEvent]:
         """Token ids -> events with printable text, each as soon as it is committed; then one
         closing event (token None) with the text held back and the finish reason."""
-        gen = stream.generation
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text = ""        # decoded, not yet emitted
         stop = gen.request.stop
@@ -559,4 +582,4 @@ class Engine(PromptBuilder):
             yield StreamEvent(text, None, False, gen.stats.finish_reason)
         finally:
             rounds.finish(gen, None)
-            self._release(stream)
+            self._release(ticket)

@@ -209,3 +209,23 @@ def test_a_stream_dropped_unclosed_ends_on_any_thread_without_a_deadlock():
     assert s.generation.finished
     assert eng.generate("0", max_tokens=4).tokens == [1, 2, 3, 4]  # the engine goes on
     eng.close()
+
+
+def test_a_stream_left_by_a_break_gives_its_place_back_to_another_thread():
+    """`for ev in eng.stream(...): break` drops the stream unclosed. The engine holds its place by
+    a ticket with a weak reference, so the stream is freed at once and gives the place back: before,
+    the engine held the stream itself, and with parallel=1 a request from another thread waited
+    until the engine closed (a request from the same thread made it outdated instead)."""
+    import threading
+    eng = Engine(PieceBackend(CHAIN), None, parallel=1)
+
+    def read_one_event():
+        for _ in eng.stream("0", max_tokens=12):
+            break
+    read_one_event()
+    got = []
+    t = threading.Thread(target=lambda: got.append(eng.generate("0", max_tokens=3).tokens), daemon=True)
+    t.start()
+    t.join(10)
+    assert got == [[1, 2, 3]], "a request from another thread waited for a stream nobody holds"
+    eng.close()

@@ -368,39 +368,39 @@ class Engine(PromptBuilder):
         open streams hold the places, its oldest is made outdated (resuming it raises) instead:
         one thread waiting for itself would wait forever."""
         me = threading.get_ident()
-        with self._admission:
-            while True:
+        while True:
+            with self._admission:
                 self._check_open()
                 active = self._active
                 whole = bool(active) and isinstance(active[0], _Placeholder)
                 if not whole and (not active if stream is None else len(active) < self.parallel):
-                    break
+                    holder = stream._ticket if stream is not None else _Placeholder(me)
+                    active.append(holder)
+                    return self._Turn(self, holder)
                 mine = [a for a in active if a._thread == me and not isinstance(a, _Placeholder)]
-                if mine and not whole:
-                    old = mine[0]
-                    old._invalidate(UsageError(
-                        "this stream is outdated: another generation started on the same engine before it "
-                        "finished; read streams to their end or close() them"))
-                    self._drop(old)
+                if not mine or whole:
+                    self._admission.wait()
                     continue
-                self._admission.wait()
-            holder = stream._ticket if stream is not None else _Placeholder(me)
-            active.append(holder)
-        return self._Turn(self, holder)
+            # outside the admission lock, as every generation's ending (see _release)
+            mine[0]._invalidate(UsageError(
+                "this stream is outdated: another generation started on the same engine before it "
+                "finished; read streams to their end or close() them"))
+            self._release(mine[0])
 
     def _release(self, holder) -> None:
-        """Give back the place of `holder`: a stream (its ticket), a ticket or a placeholder."""
+        """Give back the place of `holder`: a stream (its ticket), a ticket or a placeholder. Its
+        generation is ended after the admission lock is let go: the loop holds rounds' finishing
+        lock while it allocates, and a collection then may end a dropped stream here; ending it
+        under the admission lock would take the two locks in the other order."""
         holder = getattr(holder, "_ticket", holder)
         with self._admission:
-            self._drop(holder)
-
-    def _drop(self, holder) -> None:
-        if holder in self._active:
+            if holder not in self._active:
+                return
             self._active.remove(holder)
-            g = holder.generation
-            if g is not None and not g.finished:
-                rounds.finish(g, None)
             self._admission.notify_all()
+        g = holder.generation
+        if g is not None and not g.finished:
+            rounds.finish(g, None)
 
     # -- generation -----------------------------------------------------------------------
     # Options (or one `request=Request.build(...)`): max_tokens=128, temperature=0.0, top_k=0,

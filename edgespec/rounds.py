@@ -181,8 +181,9 @@ def _goes_on(g: Generation, target) -> bool:
 
 
 # the llama.cpp thread (a round) and a reader (a stop string, a close) may both end a generation.
-# Reentrant: a stream dropped unclosed is ended by the garbage collector on whatever thread allocates,
-# the loop inside finish() included, and its ending calls finish() for its own generation.
+# Reentrant: a dropped stream caught in a reference cycle is ended by the garbage collector on whatever
+# thread allocates, the loop inside finish() included, and its ending calls finish() for its own
+# generation. Nothing holds the engine's admission lock while it waits for this one (Engine._release).
 _finishing = threading.RLock()
 
 

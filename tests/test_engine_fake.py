@@ -187,8 +187,9 @@ def test_the_fakes_implement_the_written_interfaces():
 
 
 def test_a_stream_dropped_unclosed_ends_on_any_thread_without_a_deadlock():
-    """A stream dropped unclosed is garbage in a cycle (it and its generator hold each other), so the
-    collector ends it on whatever thread allocates then. Once in the suite that was the loop thread
+    """A stream dropped unclosed inside a reference cycle (until f5ec0ac every stream was one, with
+    its generator; still one held by an exception's traceback or an app's own objects) is ended by
+    the collector on whatever thread allocates then. Once in the suite that was the loop thread
     inside `rounds.finish`, which holds its lock while it allocates; the stream's ending (its
     generator's `finally`) then waited for that lock forever. Closing the generator is what the
     collector does."""

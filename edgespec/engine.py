@@ -141,7 +141,7 @@ class Stream:
         self._release()
 
     def _release(self) -> None:
-        self._engine._release(self)
+        self._engine._release(self._ticket)
 
     def _invalidate(self, error: EdgespecError) -> None:
         self._outdated = error
@@ -159,7 +159,7 @@ class Stream:
 
     def __del__(self):
         try:
-            self._engine._release(self)
+            self._engine._release(self._ticket)
         except Exception:
             pass
 
@@ -388,11 +388,10 @@ class Engine(PromptBuilder):
             self._release(mine[0])
 
     def _release(self, holder) -> None:
-        """Give back the place of `holder`: a stream (its ticket), a ticket or a placeholder. Its
-        generation is ended after the admission lock is let go: the loop holds rounds' finishing
-        lock while it allocates, and a collection then may end a dropped stream here; ending it
-        under the admission lock would take the two locks in the other order."""
-        holder = getattr(holder, "_ticket", holder)
+        """Give back the place of `holder` (a stream's _Ticket, or a _Placeholder). Its generation
+        is ended after the admission lock is let go: the loop holds rounds' finishing lock while it
+        allocates, and a collection then may end a dropped stream here; ending it under the
+        admission lock would take the two locks in the other order."""
         with self._admission:
             if holder not in self._active:
                 return

@@ -1,8 +1,11 @@
 """Engine behaviour on the fake backend: streaming text, stop strings, EOS, limits, and the
 request-scoped results (stats and finish reason on the stream, the last event, the result)."""
+import threading
+
 import numpy as np
 import pytest
 
+from edgespec import rounds
 from edgespec.drafters.model import ModelDrafter
 from edgespec.engine import Engine
 from edgespec.errors import UsageError
@@ -185,7 +188,6 @@ def test_the_fakes_implement_the_written_interfaces():
     assert Drafter().plan([1], 4, None, None).tokens == []  # the default drafts nothing
 
 
-
 def test_a_stream_dropped_unclosed_ends_on_any_thread_without_a_deadlock():
     """A stream dropped unclosed inside a reference cycle (until f5ec0ac every stream was one, with
     its generator; still one held by an exception's traceback or an app's own objects) is ended by
@@ -193,9 +195,6 @@ def test_a_stream_dropped_unclosed_ends_on_any_thread_without_a_deadlock():
     inside `rounds.finish`, which holds its lock while it allocates; the stream's ending (its
     generator's `finally`) then waited for that lock forever. Closing the generator is what the
     collector does."""
-    import threading
-
-    from edgespec import rounds
     eng = engine()
     s = eng.stream("0", max_tokens=12)
     next(s)  # suspended inside its generator
@@ -217,7 +216,6 @@ def test_a_stream_left_by_a_break_gives_its_place_back_to_another_thread():
     a ticket with a weak reference, so the stream is freed at once and gives the place back: before,
     the engine held the stream itself, and with parallel=1 a request from another thread waited
     until the engine closed (a request from the same thread made it outdated instead)."""
-    import threading
     eng = Engine(PieceBackend(CHAIN), None, parallel=1)
 
     def read_one_event():

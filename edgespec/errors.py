@@ -1,4 +1,5 @@
 """Typed errors. The library raises these; only cli.py turns them into messages and exit codes."""
+import math
 
 
 class EdgespecError(Exception):
@@ -73,3 +74,15 @@ class DamagedModelError(BackendError):
     """The weights gave non-finite logits: the file is damaged past its header (bad input)."""
 
     exit_code = 2
+
+
+def check_finite(target, logits) -> None:
+    """A NaN row means a damaged file: one line naming it (the prefill checks its row, a round the
+    rows it reads). `target`: the backend (its `path`), `logits`: a numpy row or rows."""
+    if logits.size and not math.isfinite(float(logits.max())):
+        raise damaged(target)
+
+
+def damaged(target) -> DamagedModelError:
+    return DamagedModelError(f"{target.path.name} produced non-finite logits (NaN): the file is damaged; "
+                             "download it again")

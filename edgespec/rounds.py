@@ -18,11 +18,11 @@ import numpy as np
 
 from .drafters import NO_DRAFT, Draft, Round
 from .drafters.model import ModelWant, draft_many
-from .errors import Aborted, BackendError, ConstraintError, DamagedModelError
+from .errors import Aborted, BackendError, ConstraintError, damaged
 from .generation import Generation
 from .costs import Part, Share, exact_groups, micro_batches
 from .policy import drafts_likely
-from .sampling import fit, law, verify, verify_greedy
+from .sampling import Law, LawRows, law, verify, verify_greedy
 
 
 def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[int] = None) -> bool:
@@ -90,10 +90,9 @@ def step(target, gens: list[Generation], width: int, exact: bool = False) -> Non
             g.stats.exact_cuts += 1
         try:
             got_rows = next(got) if part is not None else None
-            logits = _logit_rows(draft.tokens, got_rows, ask, known, masks, target.n_vocab, width)
+            logits = _logit_rows(draft.tokens, got_rows, ask, known, masks, target.n_vocab)
             if ask:
                 g.stats.target_forwards += 1
-                check_finite(target, logits)
             _commit(g, target, draft, inner, n_forced, logits, masks, width, timing)
         except Exception as exc:  # this generation's failure (a dead-end constraint), not the others'
             g.error, g.finished = exc, True
@@ -266,9 +265,7 @@ def _combine(g: Generation, forced: list[int], inner: Draft):
     if forced:
         q = None
         if inner.q is not None:  # the forced tokens' rows are point masses
-            q = np.zeros((len(forced) + len(inner.tokens), inner.q.shape[1]), dtype=np.float32)
-            q[np.arange(len(forced)), forced] = 1.0
-            q[len(forced):] = inner.q
+            q = LawRows([Law.point(t) for t in forced] + list(inner.q))
         draft = Draft(forced + inner.tokens, q, "grammar")
     masks = guide.masks(draft.tokens) if guide is not None else None
     return draft, inner, len(forced), masks
@@ -292,22 +289,19 @@ def _feed(g: Generation, target, drafts: list[int], masks):
     return (g.seq, pending + drafts, [len(pending) - 1 + i for i in open_rows]), open_rows, {}
 
 
-def _logit_rows(drafts, got, ask, known: dict, masks, n_vocab: int, width: int) -> np.ndarray:
-    """The k + 1 rows of logits, `width` wide (the target's `n_vocab` columns, -inf beyond, where the
-    draft's vocabulary is larger): the pass's rows (`got`, for the rows asked), the rows known before
-    it, and a point mass on its one legal token for a row the mask decides."""
-    logits = np.empty((len(drafts) + 1, width), dtype=np.float32)
-    if width > n_vocab:
-        logits[:, n_vocab:] = -np.inf
+def _logit_rows(drafts, got, ask, known: dict, masks, n_vocab: int) -> list:
+    """The k + 1 rows of logits (the target's `n_vocab` columns; the laws read them as `width`
+    wide, zero beyond): the pass's rows (`got`, for the rows asked) and the rows known before it,
+    not copied, and a point mass on its one legal token for a row the mask decides."""
+    logits: list = [None] * (len(drafts) + 1)
     for i, row in known.items():
-        logits[i, :n_vocab] = row
+        logits[i] = row
     for j, i in enumerate(ask):
-        logits[i, :n_vocab] = got[j]
+        logits[i] = got[j]
     if masks is not None:
-        done = set(ask) | set(known)
-        for i in range(len(drafts) + 1):
-            if i not in done:
-                logits[i, :n_vocab] = np.where(masks[i][:n_vocab], 0.0, -np.inf)
+        for i, row in enumerate(logits):
+            if row is None:
+                logits[i] = np.where(masks[i][:n_vocab], np.float32(0.0), np.float32(-np.inf))
     return logits
 
 
@@ -316,10 +310,13 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
     """Accept by the exact rule, cut the KV cache back, and queue what was committed."""
     params, st, guide = g.request.params, g.stats, g.guide
     drafts = draft.tokens
-    if params.greedy:
-        n, y = verify_greedy(drafts, fit(logits, width, masks))
-    else:
-        n, y = verify(drafts, law(logits, params, width, masks), draft.q, g.rng)
+    try:  # each row is read (its law computed) only when the verifier gets to it
+        if params.greedy:
+            n, y = verify_greedy(drafts, logits, masks)
+        else:
+            n, y = verify(drafts, law(logits, params, width, masks), draft.q, g.rng)
+    except FloatingPointError:  # a non-finite maximum: NaN rows
+        raise damaged(target) from None
     new = drafts[:n] + [y]
     if not target.truncate(min(len(target.held(g.seq)), len(g.tokens) + n), g.seq):
         raise BackendError("the target's KV cache could not be cut back")
@@ -345,13 +342,6 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
     reason = _limit(g)
     if reason is not None:
         finish(g, reason)
-
-
-def check_finite(target, logits: np.ndarray) -> None:
-    """A NaN row means a damaged file: one line naming it (the prefill checks its row too)."""
-    if len(logits) and not np.isfinite(logits.max(axis=1)).all():
-        raise DamagedModelError(f"{target.path.name} produced non-finite logits (NaN): the file is damaged; "
-                                "download it again")
 
 
 def count(stats, draft: Draft, n: int, n_forced: int = 0, source: str = "", seconds: float = 0.0) -> None:

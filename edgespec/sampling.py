@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -47,56 +48,145 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-def _top_p_mask(z: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the smallest set of highest-probability tokens whose mass reaches top_p.
+# A token whose logit lies more than _TAIL below the row's maximum weighs less than e^-30 = 9.4e-14
+# of the maximum's weight: 262,144 of them add less than 2.5e-8 of the normalising sum. The support
+# of a filtered law is found with comparisons against the maximum; exponentials are taken on it.
+_TAIL = 30.0
+# Below this many candidates the top-p mass is computed on all of them at once.
+_SMALL = 4096
+# exp((z - max) / T) of a float32 lies below the smallest float32 (1.4e-45 = e^-103.3) beyond this:
+# those tokens are zero in the law whether or not they are computed.
+_UNDERFLOW = 104.0
 
-    Only the head of the distribution is sorted: candidates are grown by 8x until their mass
-    reaches top_p, which on a 152k vocabulary is a few hundred tokens, not a full sort.
-    """
-    probs = np.exp(z - z.max(), dtype=np.float64)
-    probs /= probs.sum()
-    n = probs.size
-    m = min(64, n)
+
+class Law:
+    """The law of one row on its support: `idx` token ids in ascending order (int64), `p` their
+    float32 probabilities (summing to 1). The same numbers a dense row would hold, without the
+    zeros: a 152k-token row filtered by top-p holds a few hundred."""
+
+    __slots__ = ("idx", "p")
+
+    def __init__(self, idx: np.ndarray, p: np.ndarray):
+        self.idx, self.p = idx, p
+
+    @classmethod
+    def point(cls, token: int) -> "Law":
+        return cls(np.array([token], dtype=np.int64), np.ones(1, dtype=np.float32))
+
+    def prob(self, x: int) -> float:
+        j = int(np.searchsorted(self.idx, x))
+        return float(self.p[j]) if j < self.idx.size and self.idx[j] == x else 0.0
+
+    def sample(self, rng) -> int:
+        return int(self.idx[sample(self.p, rng)])
+
+    def dense(self, width: int) -> np.ndarray:
+        out = np.zeros(width, dtype=np.float32)
+        out[self.idx] = self.p
+        return out
+
+    def __len__(self) -> int:
+        return self.idx.size
+
+
+def _top_k(z: np.ndarray, m: float, k: int) -> np.ndarray:
+    """Indices (ascending) of the k largest entries of z (max m); ties at the k-th value go to the
+    lowest ids. A window under the maximum is widened until it holds k, then partitioned."""
+    for d in (4.0, 16.0, 64.0, np.inf):
+        sel = np.flatnonzero(z >= m - d)
+        if sel.size >= k:
+            break
+    if sel.size > k:
+        v = z[sel]
+        kth = np.partition(v, v.size - k)[v.size - k]
+        above = sel[v > kth]
+        sel = np.sort(np.concatenate([above, sel[v == kth][:k - above.size]]))
+    return sel
+
+
+def _top_p(z: np.ndarray, m: float, top_p: float) -> np.ndarray:
+    """Indices into z of the smallest set of highest-probability tokens (probabilities at
+    temperature 1 over all of z) whose mass reaches top_p; ties go to the lowest ids.
+
+    The normalising sum is taken over the tokens within _TAIL of the maximum; the others can add
+    at most n e^-_TAIL of it, and the cut is kept only where that bound cannot move it (otherwise,
+    rarely, the whole row is summed). Only the head is sorted, grown by 8x until it holds the mass."""
+    n = z.size
+    if n <= _SMALL:
+        head, bound = np.arange(n), 0.0
+    else:
+        head = np.flatnonzero(z >= m - _TAIL)
+        bound = (n - head.size) * math.exp(-_TAIL)
+    w = np.exp((z[head] - m).astype(np.float64))
+    total = float(w.sum())
+    lo, hi = top_p * total, top_p * (total + bound)
+    count = min(64, head.size)
     while True:
-        head = np.argpartition(-probs, m - 1)[:m] if m < n else np.arange(n)
-        head = head[np.argsort(-probs[head], kind="stable")]
-        cum = np.cumsum(probs[head])
-        if cum[-1] >= top_p or m == n:
-            keep = head[: int(np.searchsorted(cum, top_p)) + 1]
-            mask = np.zeros(n, dtype=bool)
-            mask[keep] = True
-            return mask
-        m = min(m * 8, n)
+        top = np.argpartition(-w, count - 1)[:count] if count < head.size else np.arange(head.size)
+        top = np.sort(top)  # ascending ids, then a stable sort by weight: ties to the lowest id
+        top = top[np.argsort(-w[top], kind="stable")]
+        cum = np.cumsum(w[top])
+        if cum[-1] >= hi or count == head.size:
+            break
+        count = min(count * 8, head.size)
+    j = int(np.searchsorted(cum, lo))
+    if j < cum.size and (bound == 0.0 or (j == int(np.searchsorted(cum, hi)) and cum[-1] >= hi)):
+        return head[top[:j + 1]]
+    # the tail could move the cut (or holds part of the mass): the whole row, in float64
+    w = np.exp((z - m).astype(np.float64))
+    order = np.argsort(-w, kind="stable")
+    cum = np.cumsum(w[order])
+    return order[:int(np.searchsorted(cum, top_p * cum[-1])) + 1]
+
+
+def row_law(row: np.ndarray, params: "SamplingParams", width: Optional[int] = None,
+            allowed: Optional[np.ndarray] = None) -> Law:
+    """The law of one float32 logits row (T > 0): `width` columns (the row cut, or zero beyond
+    it), the tokens `allowed` (a boolean mask) forbids at zero; then top-k, top-p and min-p on the
+    raw logits and the temperature, in llama.cpp's order, on the candidates only. Raises
+    FloatingPointError on a row whose allowed maximum is not finite (a damaged model)."""
+    z = row if width is None or row.shape[-1] <= width else row[:width]
+    if allowed is not None:
+        cand = np.flatnonzero(allowed[:z.size])
+        z = z[cand]
+    else:
+        cand = None
+    if z.size == 0:
+        raise FloatingPointError("no token is allowed in this row")
+    m = z.max()
+    if not np.isfinite(m):
+        raise FloatingPointError("non-finite logits")
+    # the filters, each on the tokens the one before kept; every set is the top of the row by value
+    if 0 < params.top_k < z.size:
+        keep = _top_k(z, m, params.top_k)
+        cand = keep if cand is None else cand[keep]
+        z = z[keep]
+    keep = None
+    if params.top_p < 1.0:
+        keep = np.sort(_top_p(z, m, params.top_p))
+    if params.min_p > 0.0:
+        # p(x) >= min_p * p_max  <=>  logit(x) >= max_logit + log(min_p)
+        floor = m + np.float32(math.log(params.min_p))
+        keep = np.flatnonzero(z >= floor) if keep is None else keep[z[keep] >= floor]
+    if keep is None:  # temperature alone: every token that does not underflow
+        keep = np.flatnonzero(z >= m - np.float32(_UNDERFLOW * params.temperature))
+    p = np.exp((z[keep] - m) / np.float32(params.temperature))
+    p /= p.sum()
+    idx = keep if cand is None else cand[keep]
+    return Law(idx.astype(np.int64, copy=False), p.astype(np.float32, copy=False))
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """float32 logits, shape (V,) or (rows, V) -> float32 probabilities of the same shape."""
+    """float32 logits, shape (V,) or (rows, V) -> float32 probabilities of the same shape (dense
+    rows of `row_law`; a one-hot argmax when greedy)."""
     logits = np.asarray(logits, dtype=np.float32)
     if logits.ndim == 2:
         return np.stack([warp(row, params) for row in logits]) if len(logits) else logits.copy()
-    out = np.zeros_like(logits)
     if params.greedy:
+        out = np.zeros_like(logits)
         out[int(np.argmax(logits))] = 1.0
         return out
-    # Work on the candidates only: after top-k that is k tokens, not the whole vocabulary.
-    if 0 < params.top_k < logits.size:
-        cand = np.argpartition(logits, logits.size - params.top_k)[logits.size - params.top_k:]
-        z = logits[cand]
-    else:
-        cand, z = None, logits.copy()
-    keep = np.isfinite(z)
-    if params.top_p < 1.0:
-        keep &= _top_p_mask(z, params.top_p)
-    if params.min_p > 0.0:
-        # p(x) >= min_p * p_max  <=>  logit(x) >= max_logit + log(min_p)
-        keep &= z >= z.max() + np.float32(math.log(params.min_p))
-    z = np.where(keep, (z - z.max()) / np.float32(params.temperature), -np.inf)
-    probs = np.exp(z)
-    probs /= probs.sum()
-    if cand is None:
-        return probs.astype(np.float32, copy=False)
-    out[cand] = probs
-    return out
+    return row_law(logits, params).dense(logits.size)
 
 
 def mask_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
@@ -119,18 +209,63 @@ def fit(logits: np.ndarray, width: int, allowed: np.ndarray | None = None) -> np
     return logits if allowed is None else mask_logits(logits, allowed)
 
 
-def law(logits: np.ndarray, params: SamplingParams, width: int, allowed: np.ndarray | None = None) -> np.ndarray:
-    """The distribution a row of logits stands for, the same function for the target's rows (p)
-    and the draft's (q): `fit` (width, constraint mask) first, then the filters and temperature
-    (`warp`). A new logits processor (a bias, a penalty) belongs here, so that both sides get it."""
-    return warp(fit(logits, width, allowed), params)
+class LawRows(list):
+    """A list of `Law` (the draft's q rows) that also answers q[i, x], as a dense array would."""
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            i, x = key
+            return super().__getitem__(i).prob(x)
+        got = super().__getitem__(key)
+        return LawRows(got) if isinstance(key, slice) else got
+
+
+class Laws:
+    """The laws of a round's rows, each computed when the verifier first reads it (a rejection
+    at row i leaves the rows after it unread). Indexing gives a `Law`; numpy sees the dense
+    (rows, width) array."""
+
+    def __init__(self, rows, params: SamplingParams, width: int, masks=None):
+        self.rows, self.params, self.width, self.masks = rows, params, width, masks
+        self._done: dict[int, Law] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i) -> Law:
+        if isinstance(i, tuple):  # p[i, x], as a dense array answers it
+            return self[i[0]].prob(i[1])
+        got = self._done.get(i)
+        if got is None:
+            if i < 0:
+                return self[len(self) + i]
+            allowed = None if self.masks is None else self.masks[i]
+            got = self._done[i] = row_law(np.asarray(self.rows[i], dtype=np.float32), self.params,
+                                          self.width, allowed)
+        return got
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.stack([self[i].dense(self.width) for i in range(len(self))]) if len(self) else \
+            np.zeros((0, self.width), np.float32)
+        return out if dtype is None else out.astype(dtype)
+
+
+def law(logits, params: SamplingParams, width: int, allowed: np.ndarray | None = None) -> Laws:
+    """The distribution each row of logits stands for, the same function for the target's rows (p)
+    and the draft's (q): the width and the constraint mask first, then the filters and temperature
+    (`row_law`), row by row as they are read. `logits`: a (rows, V) array or a list of rows. A new
+    logits processor (a bias, a penalty) belongs in `row_law`, so that both sides get it."""
+    return Laws(logits, params, width, allowed)
 
 
 def sample(probs: np.ndarray, rng) -> int:
-    """One draw from a (possibly unnormalised) non-negative vector; zero entries never come out.
+    """One draw from a (possibly unnormalised) non-negative vector, or a `Law`; zero entries never
+    come out.
 
     `rng` is a numpy Generator, or any object with `categorical(weights) -> index`: the tests
     pass one that walks every outcome, to compute `verify`'s output law exactly."""
+    if isinstance(probs, Law):
+        return probs.sample(rng)
     categorical = getattr(rng, "categorical", None)
     if categorical is not None:
         return int(categorical(np.asarray(probs, dtype=np.float64)))
@@ -141,6 +276,36 @@ def sample(probs: np.ndarray, rng) -> int:
     return int(np.searchsorted(cdf, rng.random() * total, side="right"))
 
 
+def _prob(row, x: int) -> float:
+    return row.prob(x) if isinstance(row, Law) else float(row[x])
+
+
+def _draw(row, rng) -> int:
+    return row.sample(rng) if isinstance(row, Law) else sample(row, rng)
+
+
+def _residual(p_row, q_row):
+    """norm(max(0, p - q)) as (ids or None, weights): on the union of the supports when both are
+    Laws (the same numbers, in the same order, as the dense rows without their zeros)."""
+    if isinstance(p_row, Law) and isinstance(q_row, Law):
+        ids = np.union1d(p_row.idx, q_row.idx)
+        pv = np.zeros(ids.size, dtype=np.float32)
+        qv = np.zeros(ids.size, dtype=np.float32)
+        pv[np.searchsorted(ids, p_row.idx)] = p_row.p
+        qv[np.searchsorted(ids, q_row.idx)] = q_row.p
+    else:  # a dense row on either side: both dense, as wide as it
+        width = len(q_row) if isinstance(p_row, Law) else len(p_row)
+        ids = None
+        pv = p_row.dense(width) if isinstance(p_row, Law) else p_row
+        qv = q_row.dense(width) if isinstance(q_row, Law) else q_row
+    residual = np.maximum(pv - qv, 0.0)
+    if not residual.sum() > 0:
+        # p <= q everywhere means p == q as distributions (up to rounding): rejection had
+        # probability ~0; fall back to p itself, which is then the same distribution.
+        residual = pv
+    return ids, residual
+
+
 def _accept(p_x: float, q_x: float, rng) -> bool:
     """True with probability min(1, p_x / q_x)."""
     if getattr(rng, "categorical", None) is not None:
@@ -149,41 +314,58 @@ def _accept(p_x: float, q_x: float, rng) -> bool:
     return rng.random() * q_x < p_x
 
 
-def verify(draft: list[int], p: np.ndarray, q: np.ndarray | None,
-           rng: np.random.Generator) -> tuple[int, int]:
+def verify(draft: list[int], p, q, rng: np.random.Generator) -> tuple[int, int]:
     """Speculative rejection sampling.
 
     draft: gamma drafted tokens x_1..x_gamma.
-    p: (gamma + 1, V) target probabilities; row i is the target's distribution for x_{i+1},
-       row gamma the one for the bonus token.
-    q: (gamma, V) draft probabilities the drafts were sampled from, or None when the drafts
-       are point masses (n-gram lookup): then sampling from p and accepting while equal is exact.
+    p: the gamma + 1 target laws (`Laws`, or a (gamma + 1, V) array of probabilities); row i is
+       the target's distribution for x_{i+1}, row gamma the one for the bonus token. A row is
+       read only when the verifier gets to it.
+    q: the gamma draft laws the drafts were sampled from (a list of `Law`, or a (gamma, V)
+       array), or None when the drafts are point masses (n-gram lookup): then sampling from p
+       and accepting while equal is exact.
     Returns (n accepted, the next token): the corrected token on the first rejection,
     otherwise the bonus token sampled from p[gamma].
     """
     for i, x in enumerate(draft):
         if q is None:
-            y = sample(p[i], rng)
+            y = _draw(p[i], rng)
             if y != x:
                 return i, y
             continue
         # accept with probability min(1, p/q), written without dividing by a tiny q
-        if _accept(float(p[i, x]), float(q[i, x]), rng):
+        p_row, q_row = p[i], q[i]
+        if _accept(_prob(p_row, x), _prob(q_row, x), rng):
             continue
-        residual = np.maximum(p[i] - q[i], 0.0)
-        if not residual.sum() > 0:
-            # p <= q everywhere means p == q as distributions (up to rounding): rejection had
-            # probability ~0; fall back to p itself, which is then the same distribution.
-            residual = p[i]
-        return i, sample(residual, rng)
-    return len(draft), sample(p[len(draft)], rng)
+        ids, residual = _residual(p_row, q_row)
+        y = sample(residual, rng)
+        return i, (y if ids is None else int(ids[y]))
+    return len(draft), _draw(p[len(draft)], rng)
 
 
-def verify_greedy(draft: list[int], logits: np.ndarray) -> tuple[int, int]:
-    """`verify` at temperature 0, on raw logits: accept while each draft is the row's argmax.
-    The same result as warping to one-hot rows and verifying, without building them."""
-    best = np.argmax(logits, axis=1)
+def greedy_token(row: np.ndarray, allowed: Optional[np.ndarray] = None) -> int:
+    """The argmax of a logits row among the tokens `allowed` (a boolean mask) permits; the first
+    of equal maxima, as np.argmax of the masked row. Raises FloatingPointError where that maximum
+    is not finite (a NaN wins np.argmax: a damaged model)."""
+    if allowed is None:
+        x = int(np.argmax(row))
+    else:
+        cand = np.flatnonzero(allowed[:row.shape[-1]])
+        if cand.size == 0:
+            raise FloatingPointError("no token is allowed in this row")
+        x = int(cand[np.argmax(row[cand])])
+    if not np.isfinite(row[x]):
+        raise FloatingPointError("non-finite logits")
+    return x
+
+
+def verify_greedy(draft: list[int], logits, masks: Optional[np.ndarray] = None) -> tuple[int, int]:
+    """`verify` at temperature 0, on raw logits rows (a (k + 1, V) array or a list of rows): accept
+    while each draft is the row's argmax (under `masks`). The same result as warping to one-hot rows
+    and verifying, without building them; the rows after the first rejection are not read."""
     n = 0
-    while n < len(draft) and draft[n] == best[n]:
+    while True:
+        best = greedy_token(logits[n], None if masks is None else masks[n])
+        if n == len(draft) or draft[n] != best:
+            return n, best
         n += 1
-    return n, int(best[n])

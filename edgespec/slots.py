@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import BackendError
+from .errors import BackendError, check_finite
 from .promptcache import MIN_TOKENS, Slot, common_prefix
 
 log = logging.getLogger("edgespec")
@@ -184,7 +184,6 @@ class Sequences:
             target.eval(tokens[at:end], [], seq)
             at = end
             self.canon[seq] = at
-        from .rounds import check_finite
         check_finite(target, row)
         self.canon[seq] = n - n % p
         self.prompt_row[seq] = (tuple(tokens), row)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import BackendError, DamagedModelError
-from ..sampling import SamplingParams, fit, law, sample
+from ..sampling import LawRows, SamplingParams, greedy_token, row_law
 from ..slots import piece_of
 from ..defaults import GAMMA
 from . import NO_DRAFT, Draft, Drafter, Round
@@ -101,8 +101,9 @@ class _Lane:
             be.eval(tokens[be.n_past:be.n_past - be.n_past % p + p], [])
         self.pending = tokens[be.n_past:]
         self.drafts: list[int] = []
-        # at T = 0 the verifier compares argmaxes and needs no q rows
-        self.q = None if want.params.greedy else np.zeros((want.n, d.n_vocab), dtype=np.float32)
+        # at T = 0 the verifier compares argmaxes and needs no q rows; at T > 0 each step's law
+        # on its support (sampling.Law), the row the verifier reads as q
+        self.q: LawRows | None = None if want.params.greedy else LawRows()
 
     @property
     def open(self) -> bool:
@@ -112,16 +113,19 @@ class _Lane:
         return self.pending if not self.drafts else [self.drafts[-1]]
 
     def take(self, logits: np.ndarray) -> None:
-        be, want, i = self.be, self.want, len(self.drafts)
-        if not np.isfinite(logits.max()):
-            raise DamagedModelError(f"draft model {be.path.name} produced non-finite logits: the file is "
-                                    "damaged; download it again")
+        be, want = self.be, self.want
         allowed = self.guide.allowed() if self.guide is not None else None
-        if self.q is None:
-            self.drafts.append(int(np.argmax(fit(logits, want.drafter.n_vocab, allowed))))
-        else:
-            self.q[i] = law(logits, want.params, want.drafter.n_vocab, allowed)
-            self.drafts.append(sample(self.q[i], want.rng))
+        try:
+            if self.q is None:
+                self.drafts.append(greedy_token(logits, allowed))
+            else:
+                self.q.append(row_law(logits, want.params, want.drafter.n_vocab, allowed))
+                self.drafts.append(self.q[-1].sample(want.rng))
+        except FloatingPointError:
+            if np.isfinite(logits.max()):
+                raise
+            raise DamagedModelError(f"draft model {be.path.name} produced non-finite logits: the file is "
+                                    "damaged; download it again") from None
         if self.guide is not None:
             self.guide.advance(self.drafts[-1:])
 
@@ -129,10 +133,7 @@ class _Lane:
         if self.guide is not None:
             self.guide.rollback(len(self.drafts))
             self.guide = None
-        q = self.q
-        if q is not None and len(self.drafts) < self.want.n:
-            q = q[:len(self.drafts)]
-        return Draft(self.drafts, q, ModelDrafter.name)
+        return Draft(self.drafts, self.q, ModelDrafter.name)
 
 
 def draft_many(wants: list[ModelWant], separate: bool = False) -> list[Draft]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -48,12 +48,14 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-# A token whose logit lies more than _TAIL below the row's maximum weighs less than e^-30 = 9.4e-14
-# of the maximum's weight: 262,144 of them add less than 2.5e-8 of the normalising sum. The support
-# of a filtered law is found with comparisons against the maximum; exponentials are taken on it.
-_TAIL = 30.0
-# Below this many candidates the top-p mass is computed on all of them at once.
+# The windows under a row's maximum in which a filter looks for its candidates first (widened until one
+# holds them); comparisons find a window, exponentials are taken on it only.
+_WINDOWS = (4.0, 8.0, 16.0, 32.0, np.inf)
+# Below this many candidates the top-p mass is computed on all of them at once, in float64.
 _SMALL = 4096
+# numpy's float32 exp is within a few ulp (< 1e-6 relative) of the exact value: the tail's share of a
+# top-p normalising sum is known to that, and a cut it could move is decided in float64 instead.
+_EXP32_ERROR = 1e-6
 # exp((z - max) / T) of a float32 lies below the smallest float32 (1.4e-45 = e^-103.3) beyond this:
 # those tokens are zero in the law whether or not they are computed.
 _UNDERFLOW = 104.0
@@ -89,13 +91,22 @@ class Law:
         return self.idx.size
 
 
+def _window(z: np.ndarray, m: float, enough: Callable[[np.ndarray], bool]) -> np.ndarray:
+    """Indices (ascending) of the narrowest window `z >= m - d` (d in _WINDOWS) that is `enough`."""
+    for d in _WINDOWS:
+        sel = np.flatnonzero(z >= m - d)
+        if enough(sel):
+            return sel
+    return sel
+
+
 def _top_k(z: np.ndarray, m: float, k: int) -> np.ndarray:
     """Indices (ascending) of the k largest entries of z (max m); ties at the k-th value go to the
-    lowest ids. A window under the maximum is widened until it holds k, then partitioned."""
-    for d in (4.0, 16.0, 64.0, np.inf):
-        sel = np.flatnonzero(z >= m - d)
-        if sel.size >= k:
+    lowest ids. The narrowest window under the maximum that holds k, then partitioned."""
+    for d in _WINDOWS:  # counting is cheaper than collecting: collect once
+        if np.count_nonzero(z >= m - d) >= k:
             break
+    sel = np.flatnonzero(z >= m - d)
     if sel.size > k:
         v = z[sel]
         kth = np.partition(v, v.size - k)[v.size - k]
@@ -104,39 +115,47 @@ def _top_k(z: np.ndarray, m: float, k: int) -> np.ndarray:
     return sel
 
 
-def _top_p(z: np.ndarray, m: float, top_p: float) -> np.ndarray:
-    """Indices into z of the smallest set of highest-probability tokens (probabilities at
-    temperature 1 over all of z) whose mass reaches top_p; ties go to the lowest ids.
-
-    The normalising sum is taken over the tokens within _TAIL of the maximum; the others can add
-    at most n e^-_TAIL of it, and the cut is kept only where that bound cannot move it (otherwise,
-    rarely, the whole row is summed). Only the head is sorted, grown by 8x until it holds the mass."""
-    n = z.size
-    if n <= _SMALL:
-        head, bound = np.arange(n), 0.0
-    else:
-        head = np.flatnonzero(z >= m - _TAIL)
-        bound = (n - head.size) * math.exp(-_TAIL)
-    w = np.exp((z[head] - m).astype(np.float64))
-    total = float(w.sum())
-    lo, hi = top_p * total, top_p * (total + bound)
-    count = min(64, head.size)
+def _cut(w: np.ndarray, lo: float, hi: float) -> Optional[np.ndarray]:
+    """Positions in w of its largest entries, in descending order (ties: the lower position first),
+    up to the first whose running sum reaches `lo`; None when the cut for `hi` would be another
+    one (or w does not reach hi); hi <= lo: w is the whole row, the cut is lo's. Only the head is
+    sorted, grown by 8x until its sum reaches hi."""
+    count = min(64, w.size)
     while True:
-        top = np.argpartition(-w, count - 1)[:count] if count < head.size else np.arange(head.size)
-        top = np.sort(top)  # ascending ids, then a stable sort by weight: ties to the lowest id
+        top = np.argpartition(-w, count - 1)[:count] if count < w.size else np.arange(w.size)
+        top = np.sort(top)  # ascending positions, then a stable sort by weight: ties to the lowest id
         top = top[np.argsort(-w[top], kind="stable")]
         cum = np.cumsum(w[top])
-        if cum[-1] >= hi or count == head.size:
+        if cum[-1] >= hi or count == w.size:
             break
-        count = min(count * 8, head.size)
+        count = min(count * 8, w.size)
     j = int(np.searchsorted(cum, lo))
-    if j < cum.size and (bound == 0.0 or (j == int(np.searchsorted(cum, hi)) and cum[-1] >= hi)):
-        return head[top[:j + 1]]
-    # the tail could move the cut (or holds part of the mass): the whole row, in float64
+    if hi <= lo:  # exact: the whole row's sum (its rounding may leave the last token just short)
+        return top[:min(j, cum.size - 1) + 1]
+    if j >= cum.size or j != int(np.searchsorted(cum, hi)):
+        return None
+    return top[:j + 1]
+
+
+def _top_p(z: np.ndarray, m: float, top_p: float) -> np.ndarray:
+    """Indices into z of the smallest set of highest-probability tokens (probabilities at
+    temperature 1 over all of z, in float64) whose mass reaches top_p; ties go to the lowest ids.
+
+    On a large row the normalising sum's tail (the tokens outside the narrowest window under the
+    maximum that holds more than top_p of the mass) is summed from float32 exponentials; the cut is
+    taken where that tail's rounding cannot move it, and otherwise (rarely) in float64 on the whole row."""
+    if z.size > _SMALL:
+        e = np.exp(z - m)  # float32, one vectorised pass
+        total32 = float(e.sum(dtype=np.float64))
+        head = _window(z, m, lambda sel: float(e[sel].sum(dtype=np.float64)) > top_p * total32 * (1 + 4 * _EXP32_ERROR))
+        w = np.exp((z[head] - m).astype(np.float64))
+        tail = max(0.0, total32 - float(e[head].sum(dtype=np.float64)))
+        total, err = float(w.sum()) + tail, (tail + total32) * _EXP32_ERROR
+        got = _cut(w, top_p * (total - err), top_p * (total + err))
+        if got is not None:
+            return head[got]
     w = np.exp((z - m).astype(np.float64))
-    order = np.argsort(-w, kind="stable")
-    cum = np.cumsum(w[order])
-    return order[:int(np.searchsorted(cum, top_p * cum[-1])) + 1]
+    return _cut(w, top_p * float(w.sum()), top_p * float(w.sum()))
 
 
 def row_law(row: np.ndarray, params: "SamplingParams", width: Optional[int] = None,

@@ -144,3 +144,83 @@ def test_greedy_verification_on_logits_matches_the_general_verifier():
         q = np.zeros((3, 7), np.float32)
         q[np.arange(3), draft] = 1
         assert verify_greedy(draft, logits) == verify(draft, p, q, rng) == verify(draft, p, None, rng)
+
+
+# -- the law on its support (sampling.row_law) against the whole row in float64 ----------------------
+def _reference(z: np.ndarray, params: SamplingParams, allowed=None) -> np.ndarray:
+    """The law by its definition: every token of the row, float64, full sorts (ties: lowest id)."""
+    z = z.astype(np.float64)
+    cand = np.arange(z.size) if allowed is None else np.flatnonzero(allowed)
+    if 0 < params.top_k < cand.size:
+        cand = np.sort(cand[np.lexsort((cand, -z[cand]))[:params.top_k]])
+    zc = z[cand]
+    m = zc.max()
+    keep = np.isfinite(zc)
+    if params.top_p < 1.0:
+        w = np.exp(zc - m)
+        order = np.lexsort((np.arange(zc.size), -w))
+        n = int(np.searchsorted(np.cumsum(w[order]), params.top_p * w.sum())) + 1
+        top = np.zeros(zc.size, bool)
+        top[order[:n]] = True
+        keep &= top
+    if params.min_p > 0.0:
+        keep &= zc.astype(np.float32) >= np.float32(m) + np.float32(np.log(params.min_p))
+    p = np.where(keep, np.exp((zc - m) / params.temperature), 0.0)
+    out = np.zeros(z.size)
+    out[cand] = p / p.sum()
+    return out
+
+
+def _rows(n_vocab: int, seed: int):
+    """Rows of every shape the support must hold for: peaked, flat, heavy-tailed, quantized (ties at
+    every cut), with -inf entries."""
+    rng = np.random.default_rng(seed)
+    peaked = rng.normal(0, 2.5, n_vocab)
+    peaked[rng.integers(n_vocab, size=3)] += (18, 15, 14)
+    flat = rng.normal(0, 0.3, n_vocab)
+    heavy = rng.standard_t(2, n_vocab) * 3
+    ties = np.round(rng.normal(0, 2, n_vocab) * 2) / 2
+    holes = rng.normal(0, 4, n_vocab)
+    holes[rng.integers(n_vocab, size=n_vocab // 3)] = -np.inf
+    return [r.astype(np.float32) for r in (peaked, flat, heavy, ties, holes)]
+
+
+def _same_law(got, want):
+    """The same support (up to float32 underflow: a token at 1e-60 in float64 is 0 in float32, as it
+    always was) and the same probabilities to float32 rounding."""
+    assert set(np.flatnonzero(got)) <= set(np.flatnonzero(want))
+    assert set(np.flatnonzero(want > 1e-30)) <= set(np.flatnonzero(got))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-30)
+
+
+LAW_PARAMS = [SamplingParams(0.8, top_p=0.95), SamplingParams(0.7, top_k=40, top_p=0.9),
+              SamplingParams(0.8, min_p=0.05), SamplingParams(1.3), SamplingParams(0.5, top_p=0.3, min_p=0.2),
+              SamplingParams(1.0, top_k=5), SamplingParams(1.0, top_p=0.999)]
+
+
+@pytest.mark.parametrize("n_vocab", [300, 49_152, 151_936])
+@pytest.mark.parametrize("params", LAW_PARAMS, ids=str)
+def test_the_law_on_its_support_is_the_law_of_the_whole_row(n_vocab, params):
+    for i, z in enumerate(_rows(n_vocab, n_vocab)):
+        want = _reference(z, params)
+        got = warp(z, params)
+        _same_law(got, want)
+
+
+def test_the_law_under_a_mask_is_the_law_of_the_allowed_tokens():
+    from edgespec.sampling import row_law
+    for z in _rows(49_152, 7):
+        allowed = np.random.default_rng(1).random(z.size) < 0.2
+        for params in LAW_PARAMS:
+            want = _reference(np.where(allowed, z, -np.inf).astype(np.float32), params)
+            got = row_law(z, params, z.size, allowed).dense(z.size)
+            _same_law(got, want)
+
+
+def test_a_law_draws_as_its_dense_row_does():
+    from edgespec.sampling import row_law
+    z = _rows(49_152, 3)[2]
+    law = row_law(z, SamplingParams(0.9, top_p=0.9))
+    dense = law.dense(z.size)
+    a, b = np.random.default_rng(5), np.random.default_rng(5)
+    assert [law.sample(a) for _ in range(200)] == [sample(dense, b) for _ in range(200)]

@@ -1,0 +1,440 @@
+"""The host's share of a round, measured without a GPU (`bench --host-cost`).
+
+edgespec's real engine, rounds and sampling run over a simulated device: `SimBackend`, whose passes
+return logits rows recorded once from real GGUF models (a target and its draft at the same positions:
+SmolLM2-135M at 49,152 tokens, Qwen2.5-Coder 1.5B / 0.5B at 151,936, gemma-3-270m at 262,144) and take
+a settable time: a target pass feeding n tokens `a + b * n` ms (default 3 + 0.1, a 1.5B on a laptop
+GPU), a draft step `draft` ms (default 1). The pass itself waits (the GIL released, as llama_decode
+does); everything else a round does is the host's: reading rows, the sampling law, verification, the
+constraint's masks, the loop's bookkeeping, the stream.
+
+    efficiency = device time / wall time
+
+per vocabulary, sampling setting, draft length k (0: plain decoding) and number of requests at once.
+Beside it, per row, the host time of edgespec's law and draw against llama.cpp's own sampler chain
+(`llama_sampler_*` through llama-cpp-python) on the same recorded rows.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..errors import UsageError
+from ..sampling import SamplingParams, greedy_token, row_law, sample
+
+log = logging.getLogger("edgespec")
+
+ROWS = 48  # recorded positions per model
+PROMPT = ("Write a Python function that parses a CSV file of orders (id, customer, amount, date) and "
+          "returns the total amount per customer for each month, with a docstring and type hints.")
+
+
+@dataclass(frozen=True)
+class Vocab:
+    name: str
+    pair: str                   # models.toml pair whose target is recorded
+    draft: Optional[str]        # the pair's own draft ("draft"), or None: the target cut to `blocks`
+    blocks: int = 0
+
+
+VOCABS = {
+    "49k": Vocab("49k", "smollm2-135m", None, 24),
+    "152k": Vocab("152k", "qwen2.5-coder-1.5b", "draft"),
+    "262k": Vocab("262k", "gemma-3-270m", None, 12),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    params: SamplingParams
+    schema: Optional[dict] = None
+
+
+# a list of records: the structured case that ran slower than plain (issue 47)
+PEOPLE = {"type": "object", "properties": {"people": {"type": "array", "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"},
+                                     "phone": {"type": "string"}},
+    "required": ["name", "email", "phone"], "additionalProperties": False}}},
+    "required": ["people"], "additionalProperties": False}
+
+SETTINGS = {
+    "greedy": Setting("T=0", SamplingParams()),
+    "top-p": Setting("T=0.8 top-p 0.95", SamplingParams(temperature=0.8, top_p=0.95)),
+    "top-k": Setting("T=0.7 top-k 40 top-p 0.9", SamplingParams(temperature=0.7, top_k=40, top_p=0.9)),
+    "min-p": Setting("T=0.8 min-p 0.05", SamplingParams(temperature=0.8, min_p=0.05)),
+    "schema": Setting("T=0 JSON schema", SamplingParams(), PEOPLE),
+}
+
+
+# -- recorded rows ----------------------------------------------------------------------------------
+def _paths(vocab: Vocab) -> tuple[Path, Path]:
+    from ..hub import local_path
+    from ..registry import cache_dir, load_registry
+    pair = load_registry().get(vocab.pair)
+    target = local_path(pair.target)
+    if target is None:
+        raise UsageError(f"{pair.target.file} is not downloaded: run `python -m edgespec pull {vocab.pair}` "
+                         "(or `make test-models`)")
+    if vocab.draft:
+        draft = local_path(getattr(pair, vocab.draft))
+        if draft is None:
+            raise UsageError(f"the draft of {vocab.pair} is not downloaded: run `python -m edgespec pull {vocab.pair}`")
+        return target, draft
+    draft = cache_dir() / "models" / f"{target.stem}.first{vocab.blocks}.gguf"
+    if not draft.exists():
+        part = draft.with_name(f"{draft.name}.{os.getpid()}.part")
+        script = Path(__file__).resolve().parents[2] / "scripts" / "truncate_gguf.py"
+        subprocess.run([sys.executable, str(script), str(target), str(part), "--blocks", str(vocab.blocks)],
+                       check=True, stdout=subprocess.DEVNULL)
+        os.replace(part, draft)
+    return target, draft
+
+
+def recorded(vocab: Vocab, progress: Optional[Callable[[str], None]] = None) -> dict:
+    """The rows of `vocab`'s target and draft at ROWS positions of the target's greedy answer to
+    PROMPT, recorded from the GGUFs on first use and kept under ~/.cache/edgespec/hostcost."""
+    from ..backend import LlamaBackend
+    from ..registry import cache_dir
+    target_path, draft_path = _paths(vocab)
+    out = cache_dir() / "hostcost" / f"{vocab.name}-{target_path.stem}-{draft_path.stem}.npz"
+    if not out.exists():
+        if progress:
+            progress(f"recording {ROWS} logits rows of {target_path.name} and {draft_path.name} (once)")
+        target = LlamaBackend(target_path, n_ctx=512)
+        try:
+            tokens = target.tokenize(PROMPT)
+            prompt_len = len(tokens)
+            rows = [target.eval(tokens, [len(tokens) - 1])[0]]
+            while len(rows) < ROWS:
+                order = np.argsort(-rows[-1])
+                nxt = next(int(t) for t in order if not target.is_eog(int(t)))  # the answer never ends
+                tokens.append(nxt)
+                rows.append(target.eval([nxt], [0])[0])
+        finally:
+            target.close()
+        draft = LlamaBackend(draft_path, n_ctx=512)
+        try:
+            drows = draft.eval(tokens, list(range(prompt_len - 1, len(tokens))))
+        finally:
+            draft.close()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        part = out.with_name(f"{out.name}.{os.getpid()}.part.npz")
+        np.savez(part, target=np.stack(rows), draft=drows, tokens=np.array(tokens, np.int64),
+                 prompt_len=np.int64(prompt_len))
+        os.replace(part, out)
+    with np.load(out) as f:
+        return {"target": f["target"], "draft": f["draft"], "tokens": f["tokens"].tolist(),
+                "prompt_len": int(f["prompt_len"]), "target_path": target_path, "draft_path": draft_path}
+
+
+# -- the simulated device ---------------------------------------------------------------------------
+class SimBackend:
+    """A Backend whose passes return recorded rows (row of position p: rows[p % len(rows)]) and
+    wait `a_ms + b_ms * tokens fed`; the tokenizer is the real model's (`vocab`, a LlamaBackend).
+    `busy`: the seconds its passes waited. End of generation never comes (the answer runs to its
+    budget)."""
+
+    canonical_piece = 64
+
+    def __init__(self, vocab, rows: np.ndarray, a_ms: float, b_ms: float, n_seq: int = 1, name: str = "sim"):
+        self.vocab, self.rows = vocab, np.ascontiguousarray(rows, dtype=np.float32)
+        self.a, self.b = a_ms / 1000.0, b_ms / 1000.0
+        self.n_vocab = self.rows.shape[1]
+        self.n_ctx, self.n_seq, self.n_batch = 4096, n_seq, 512
+        self.path = Path(f"{name}.gguf")
+        self.can_truncate = True
+        self.settings = {"sim": name}
+        self._held: list[list[int]] = [[] for _ in range(n_seq)]
+        self.busy = 0.0
+        self.passes = 0
+        self._lock = threading.Lock()
+
+    # the tokenizer's calls go to the real model's vocabulary
+    def tokenize(self, text, add_bos=True, special=True):
+        return self.vocab.tokenize(text, add_bos, special)
+
+    def token_to_piece(self, token, special=False):
+        return self.vocab.token_to_piece(token, special)
+
+    def token_text(self, token):
+        return self.vocab.token_text(token)
+
+    def chat_template(self):
+        return self.vocab.chat_template()
+
+    def guidance_tokenizer(self):
+        return self.vocab.guidance_tokenizer()
+
+    def __getattr__(self, name):  # the rest of the tokenizer's surface (longest_piece, special_texts, ...)
+        if name in ("vocab", "rows"):
+            raise AttributeError(name)
+        return getattr(self.vocab, name)
+
+    def is_eog(self, token):
+        return False
+
+    @property
+    def tokens(self):
+        return self._held[0]
+
+    @property
+    def n_past(self):
+        return len(self._held[0])
+
+    def held(self, seq=0):
+        return self._held[seq]
+
+    def sequence(self, seq):
+        from ..backend import SequenceView
+        return SequenceView(self, seq)
+
+    def eval(self, tokens, rows, seq=0):
+        return self.eval_batch([(seq, tokens, rows)])[0]
+
+    def eval_batch(self, parts):
+        from ..backend import _compute
+        outs, fed = [], 0
+        n = len(self.rows)
+        for seq, tokens, rows in parts:
+            base = len(self._held[seq])
+            if base + len(tokens) > self.n_ctx:
+                raise UsageError("the simulated context is full")
+            out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+            for j, r in enumerate(rows):  # read from the "device", as llama_get_logits_ith is
+                out[j] = self.rows[(base + r) % n]
+            outs.append(out)
+            fed += len(tokens)
+        t0 = time.perf_counter()
+        _compute.call(time.sleep, self.a + self.b * fed)
+        with self._lock:
+            self.busy += time.perf_counter() - t0
+            self.passes += 1
+        for seq, tokens, _ in parts:
+            self._held[seq].extend(int(t) for t in tokens)
+        return outs
+
+    def abort_when(self, stop):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def truncate(self, pos, seq=0):
+        del self._held[seq][pos:]
+        return True
+
+    def pos_max(self, seq=0):
+        return len(self._held[seq]) - 1
+
+    def reset(self, seq=None):
+        for s in (range(self.n_seq) if seq is None else [seq]):
+            self._held[s].clear()
+
+    def keep_prefix(self, tokens, seq=0):
+        held = self._held[seq]
+        n = 0
+        for a, b in zip(held, tokens[:-1]):
+            if a != b:
+                break
+            n += 1
+        del held[n:]
+        return n
+
+    def copy_prefix(self, src, dst, n):
+        n = min(n, len(self._held[src]))
+        self._held[dst][:] = self._held[src][:n]
+        return n
+
+    def close(self):
+        pass
+
+
+# -- one configuration --------------------------------------------------------------------------------
+@dataclass
+class Run:
+    vocab: str
+    setting: str
+    k: int
+    parallel: int
+    tokens: int
+    wall: float
+    device: float
+
+    @property
+    def efficiency(self) -> float:
+        return self.device / self.wall if self.wall > 0 else 0.0
+
+
+def run_once(rec: dict, vocab_backend, setting: Setting, k: int, parallel: int, tokens: int,
+             a_ms: float, b_ms: float, draft_ms: float, vocab_name: str = "") -> Run:
+    """One generation of `tokens` tokens per request (`parallel` requests at once) through the real
+    Engine over the simulated target and draft; wall and device time of the whole."""
+    from ..drafters.model import ModelDrafter
+    from ..engine import Engine
+    target = SimBackend(vocab_backend, rec["target"], a_ms, b_ms, n_seq=parallel, name="target")
+    draft = SimBackend(vocab_backend, rec["draft"], draft_ms, 0.0, n_seq=parallel, name="draft") if k else None
+    width = max(target.n_vocab, draft.n_vocab if draft else 0)
+    engine = Engine(target, ModelDrafter(draft, width, gamma=k) if k else None,
+                    parallel=parallel if parallel > 1 else None)
+    prompt = rec["tokens"][:rec["prompt_len"]]
+    opts = dict(max_tokens=tokens, temperature=setting.params.temperature, top_k=setting.params.top_k,
+                top_p=setting.params.top_p, min_p=setting.params.min_p, seed=1234)
+    if setting.schema is not None:
+        opts["json_schema"] = setting.schema
+    results = [None] * parallel
+    try:
+        engine.generate(prompt, max_tokens=1)  # the engine's first use (and the grammar's tokenizer) apart
+        for be in (target, draft):
+            if be is not None:
+                be.busy = 0.0
+
+        def one(i):
+            results[i] = engine.generate(prompt, **opts)
+
+        t0 = time.perf_counter()
+        if parallel == 1:
+            one(0)
+        else:
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(parallel)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        engine.close()
+    n = sum(len(r.tokens) for r in results if r is not None)
+    return Run(vocab_name, setting.name, k, parallel, n, wall, target.busy + (draft.busy if draft else 0.0))
+
+
+# -- per row: edgespec's law against llama.cpp's sampler chain ------------------------------------------
+def _llama_chain(params: SamplingParams):
+    import llama_cpp as L
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    if params.greedy:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        return chain
+    if params.top_k:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(params.top_k))
+    if params.top_p < 1.0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(params.top_p, 1))
+    if params.min_p > 0.0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(params.min_p, 1))
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(params.temperature))
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(1234))
+    return chain
+
+
+def per_row(rows: np.ndarray, params: SamplingParams, repeat: int = 3) -> dict:
+    """Median microseconds a row: edgespec's law and draw (greedy: the argmax) and llama.cpp's chain
+    (its candidates array filled from the row, then the chain applied and a token drawn)."""
+    import ctypes
+
+    import llama_cpp as L
+    rng = np.random.default_rng(0)
+    ours, theirs = [], []
+    n = rows.shape[1]
+    data = np.zeros(n, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+    ids = np.arange(n, dtype=np.int32)
+    arr = L.llama_token_data_array(data=data.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), size=n,
+                                   selected=-1, sorted=False)
+    chain = _llama_chain(params)
+    try:
+        for _ in range(repeat):
+            for row in rows:
+                t0 = time.perf_counter()
+                if params.greedy:
+                    greedy_token(row)
+                else:
+                    sample(row_law(row, params), rng)
+                t1 = time.perf_counter()
+                data["id"] = ids
+                data["logit"] = row
+                arr.size, arr.selected, arr.sorted = n, -1, False
+                L.llama_sampler_apply(chain, ctypes.byref(arr))
+                t2 = time.perf_counter()
+                ours.append(t1 - t0)
+                theirs.append(t2 - t1)
+    finally:
+        L.llama_sampler_free(chain)
+    return {"edgespec_us": statistics.median(ours) * 1e6, "llama_cpp_us": statistics.median(theirs) * 1e6}
+
+
+# -- the benchmark -------------------------------------------------------------------------------------
+def main(*, vocabs=("49k", "152k", "262k"), settings=tuple(SETTINGS), ks=(0, 1, 4, 8), parallels=(1, 4),
+         trials: int = 5, tokens: int = 64, a_ms: float = 3.0, b_ms: float = 0.1, draft_ms: float = 1.0,
+         out: Optional[str] = None, progress=None, say=print) -> dict:
+    from ..backend import LlamaBackend
+    for v in vocabs:
+        if v not in VOCABS:
+            raise UsageError(f"unknown vocabulary {v!r}: choose from {', '.join(VOCABS)}")
+    for s in settings:
+        if s not in SETTINGS:
+            raise UsageError(f"unknown setting {s!r}: choose from {', '.join(SETTINGS)}")
+    report = {"device": {"target_ms": [a_ms, b_ms], "draft_ms": draft_ms}, "trials": trials,
+              "tokens": tokens, "runs": [], "rows": []}
+    total = len(vocabs) * (len(settings) * len(ks) * len(parallels) * trials + len(settings))
+    done = 0
+    for vname in vocabs:
+        rec = recorded(VOCABS[vname], progress=lambda m: say(m))
+        vocab_backend = LlamaBackend(rec["draft_path"], n_ctx=256, n_batch=64)
+        try:
+            for sname in settings:
+                setting = SETTINGS[sname]
+                r = per_row(rec["target"], setting.params)
+                report["rows"].append({"vocab": vname, "setting": setting.name, **r})
+                done += 1
+                if progress:
+                    progress(done, total)
+            configs = [(s, k, p) for s in settings for k in ks for p in parallels]
+            runs: dict = {c: [] for c in configs}
+            for _ in range(trials):  # interleaved: each trial runs every configuration once
+                for c in configs:
+                    s, k, p = c
+                    runs[c].append(run_once(rec, vocab_backend, SETTINGS[s], k, p, tokens, a_ms, b_ms,
+                                            draft_ms, vname))
+                    done += 1
+                    if progress:
+                        progress(done, total)
+            for (s, k, p), got in runs.items():
+                eff = statistics.median(r.efficiency for r in got)
+                wall = statistics.median(r.wall / max(1, r.tokens) for r in got)
+                dev = statistics.median(r.device / max(1, r.tokens) for r in got)
+                report["runs"].append({"vocab": vname, "setting": SETTINGS[s].name, "k": k, "parallel": p,
+                                       "efficiency": round(eff, 4), "wall_ms_per_token": round(wall * 1e3, 3),
+                                       "device_ms_per_token": round(dev * 1e3, 3),
+                                       "host_ms_per_token": round((wall - dev) * 1e3, 3),
+                                       "trials": [round(r.efficiency, 4) for r in got]})
+        finally:
+            vocab_backend.close()
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"simulated device: target pass {report['device']['target_ms'][0]} ms + "
+             f"{report['device']['target_ms'][1]} ms a token fed, draft step {report['device']['draft_ms']} ms; "
+             f"medians of {report['trials']} interleaved trials, {report['tokens']} tokens a request",
+             "", f"{'vocab':>6} {'setting':<26} {'k':>2} {'par':>3} {'efficiency':>10} {'wall ms/tok':>11} "
+             f"{'host ms/tok':>11}"]
+    for r in report["runs"]:
+        lines.append(f"{r['vocab']:>6} {r['setting']:<26} {r['k']:>2} {r['parallel']:>3} {r['efficiency']:>10.1%} "
+                     f"{r['wall_ms_per_token']:>11.3f} {r['host_ms_per_token']:>11.3f}")
+    lines += ["", "per row (median us): edgespec's law and draw against llama.cpp's sampler chain",
+              f"{'vocab':>6} {'setting':<26} {'edgespec':>9} {'llama.cpp':>9} {'ratio':>6}"]
+    for r in report["rows"]:
+        lines.append(f"{r['vocab']:>6} {r['setting']:<26} {r['edgespec_us']:>9.1f} {r['llama_cpp_us']:>9.1f} "
+                     f"{r['edgespec_us'] / r['llama_cpp_us']:>6.2f}")
+    return "\n".join(lines)

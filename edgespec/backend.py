@@ -198,6 +198,14 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def lent(backend, parts) -> list:
+    """`backend.eval_batch(parts)`, the rows lent where the backend can (views of its output, valid
+    until its next pass: a round and a draft step read them before that), copied otherwise."""
+    if getattr(backend, "lends_rows", False):
+        return backend.eval_batch(parts, copy=False)
+    return backend.eval_batch(parts)
+
+
 class LlamaBackend:
     """A loaded GGUF model with its own context, KV cache and batch."""
 
@@ -392,9 +400,14 @@ class LlamaBackend:
         `rows` (indices into `tokens`), shape (len(rows), n_vocab)."""
         return self.eval_batch([(seq, tokens, rows)])[0]
 
-    def eval_batch(self, parts) -> list[np.ndarray]:
+    # eval_batch(parts, copy=False) lends the rows (views of llama.cpp's output, no copy)
+    lends_rows = True
+
+    def eval_batch(self, parts, copy: bool = True) -> list:
         """Several sequences' tokens in one llama_decode (more when they exceed n_batch):
-        `parts` is [(seq, tokens, rows)], each as `eval` takes them; returns each part's rows."""
+        `parts` is [(seq, tokens, rows)], each as `eval` takes them; returns each part's rows.
+        `copy=False`: each part's rows as a list of views of llama.cpp's logits buffer, not copied:
+        valid until this context's next pass (a round reads them before it; what is kept is copied)."""
         L = _llama()
         for seq, tokens, _ in parts:
             if len(self._held[seq]) + len(tokens) > self.n_ctx:
@@ -403,7 +416,8 @@ class LlamaBackend:
             raise ValueError("eval_batch takes each sequence once")
         self._drop_stray()
         self._interrupted = False
-        outs = [np.empty((len(rows), self.n_vocab), dtype=np.float32) for _, _, rows in parts]
+        outs = [np.empty((len(rows), self.n_vocab), dtype=np.float32) if copy else [None] * len(rows)
+                for _, _, rows in parts]
         # every token to feed: (part, its index in the part, the output row it fills or -1)
         flat = []
         # in sequence order: llama.cpp puts consecutive sequences' tokens in one micro-batch
@@ -437,10 +451,16 @@ class LlamaBackend:
                 seq, tokens, _ = parts[p]
                 self._held[seq].append(int(tokens[i]))
             self._stray -= seqs
-            for j, (p, _, r) in enumerate(chunk):
-                if r >= 0:
-                    ptr = L.llama_get_logits_ith(self._ctx, j)
-                    outs[p][r] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            if copy or start + self.n_batch < len(flat):  # a later micro-batch overwrites this one's rows
+                for j, (p, _, r) in enumerate(chunk):
+                    if r >= 0:
+                        ptr = L.llama_get_logits_ith(self._ctx, j)
+                        row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+                        outs[p][r] = row if copy else row.copy()
+            else:
+                for j, (p, _, r) in enumerate(chunk):
+                    if r >= 0:
+                        outs[p][r] = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(self.n_vocab,))
         return outs
 
     @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .backend import lent
 from .drafters import NO_DRAFT, Draft, Round
 from .drafters.model import ModelWant, draft_many
 from .errors import Aborted, BackendError, ConstraintError, damaged
@@ -143,12 +144,13 @@ def _verify(target, parts, groups: Optional[list[list[int]]] = None) -> list:
     if not parts:
         return []
     if groups is None:
-        return target.eval_batch(parts)
+        return lent(target, parts)
     out: list = [None] * len(parts)
     for group in groups:
         for i, rows in zip(group, target.eval_batch([parts[i] for i in group])):
             out[i] = rows
     return out
+
 
 
 def _limit(g: Generation) -> Optional[str]:

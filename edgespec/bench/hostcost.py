@@ -203,7 +203,9 @@ class SimBackend:
     def eval(self, tokens, rows, seq=0):
         return self.eval_batch([(seq, tokens, rows)])[0]
 
-    def eval_batch(self, parts):
+    lends_rows = True  # as LlamaBackend: copy=False returns views of the "device's" output
+
+    def eval_batch(self, parts, copy: bool = True):
         from ..backend import _compute
         outs, fed = [], 0
         n = len(self.rows)
@@ -211,10 +213,8 @@ class SimBackend:
             base = len(self._held[seq])
             if base + len(tokens) > self.n_ctx:
                 raise UsageError("the simulated context is full")
-            out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
-            for j, r in enumerate(rows):  # read from the "device", as llama_get_logits_ith is
-                out[j] = self.rows[(base + r) % n]
-            outs.append(out)
+            got = [self.rows[(base + r) % n] for r in rows]  # read as llama_get_logits_ith is
+            outs.append(np.array(got, dtype=np.float32).reshape(len(rows), self.n_vocab) if copy else got)
             fed += len(tokens)
         t0 = time.perf_counter()
         _compute.call(time.sleep, self.a + self.b * fed)

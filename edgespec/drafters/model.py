@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..backend import lent
 from ..errors import BackendError, DamagedModelError
 from ..sampling import LawRows, SamplingParams, greedy_token, row_law
 from ..slots import piece_of
@@ -160,14 +161,9 @@ def _lockstep(wants: list[ModelWant]) -> list[Draft]:
             open_ = [lane for lane in lanes if lane is not None and lane.open]
             if not open_:
                 break
-            if len(open_) == 1:
-                lane = open_[0]
-                feed = lane.feed()
-                rows = [lane.be.eval(feed, [len(feed) - 1])]
-            else:
-                root = getattr(open_[0].be, "backend", open_[0].be)
-                parts = [(getattr(lane.be, "seq", 0), lane.feed(), [len(lane.feed()) - 1]) for lane in open_]
-                rows = root.eval_batch(parts)
+            root = getattr(open_[0].be, "backend", open_[0].be)
+            parts = [(getattr(lane.be, "seq", 0), lane.feed(), [len(lane.feed()) - 1]) for lane in open_]
+            rows = lent(root, parts)  # each lane's row read (take) before the next step
             for lane, got in zip(open_, rows):
                 lane.take(got[0])
     finally:

@@ -106,6 +106,8 @@ class MessagesRequest(_Body):
         if not self.messages:
             raise ApiError(400, "messages: at least one message is required", param="messages")
         seen_ids: set[str] = set()
+        # the tool_use ids of the last assistant turn, which the next turn must answer (Anthropic's rule)
+        pending, pending_at = [], ""
         for i, m in enumerate(self.messages):
             where = f"messages.{i}"
             # a system message inside the conversation (Claude Code's mid-conversation-system beta)
@@ -150,6 +152,13 @@ class MessagesRequest(_Body):
                     raise ApiError(400, f"{at}: a {kind!r} block is not served here in a {role} turn; this "
                                    "server's models read text, tool_use (assistant) and tool_result (user) blocks",
                                    param=where)
+            answered = {r["tool_call_id"] for r in results}
+            missing = [cid for cid in pending if cid not in answered]
+            if missing:
+                raise ApiError(400, f"{pending_at}: tool_use ids were found without tool_result blocks immediately "
+                               f"after: {', '.join(missing)}. Each tool_use block must have a corresponding "
+                               "tool_result block in the next message", param=pending_at)
+            pending, pending_at = [c["id"] for c in calls], where
             out.extend(results)
             text = "\n".join(texts)
             if role == "assistant":
@@ -195,6 +204,9 @@ def _result(b: dict, where: str) -> dict:
     if isinstance(content, list):  # references to tools found by tool search are no text to read back
         content = [b for b in content if not (isinstance(b, dict) and b.get("type") == "tool_reference")]
     text = _text(content, f"{where}.content") if content else ""
+    if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
+        raise ApiError(400, f"{where}.is_error: must be true or false, got {json.dumps(b['is_error'])[:60]}",
+                       param=where.rsplit(".content", 1)[0])
     if b.get("is_error"):
         text = f"Error: {text}"
     return {"role": "tool", "tool_call_id": cid, "content": text}

@@ -11,7 +11,6 @@ queue or is being answered, cancels its job at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -23,7 +22,7 @@ import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -34,7 +33,7 @@ from .guard import Guard, HostRule
 from . import anthropic, ollama, responses
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .openai import ChatRequest, CompletionRequest, Envelope
-from .schemas import ApiError, Shape
+from .schemas import ApiError, Recorder, Shape, describe_errors, parse_body
 
 log = logging.getLogger("edgespec.server")
 
@@ -91,7 +90,8 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
 
     app = FastAPI(title="edgespec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = ServerMetrics(lambda: sched, model_id) if metrics else None  # fed by _answer
-    app.state.record = record  # a JSONL file every request body is appended to (serve --record)
+    # serve --record: every body the API reads is appended to this JSONL file (schemas.Recorder)
+    app.state.record = Recorder(record) if record is not None else None
     # as the Guard compares them, and as browsers send them: lower case, no trailing slash
     cors_origins = [o if o == "*" else o.strip().rstrip("/").lower() for o in cors_origins]
     if cors_origins:  # closed unless asked: a web page must not drive a local model by default
@@ -232,9 +232,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError):
         # FastAPI says 422; OpenAI clients expect 400 for any malformed request
         errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None  # the body's field, as OpenAI names it
+        first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             why = str((first.get("ctx") or {}).get("error", ""))
             if "recursion" in why.lower():  # valid JSON, nested deeper than the parser follows
@@ -242,8 +240,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             else:
                 message = "the request body is not valid JSON" + (f" ({why})" if why else "")
             param = None
-        else:
-            message = f"{'.'.join(loc)}: {first['msg']}" if loc else str(first["msg"])
+        else:  # in words, not in pydantic's names for a union's branches ("format.str: ..."); param:
+            message, param = describe_errors(errors)  # the body's field, as OpenAI names it
         return error(request, ApiError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -312,25 +310,8 @@ def _json(model: type[BaseModel]):
             raise ApiError(415, f"the request body must be JSON sent as 'Content-Type: application/json', "
                            f"got {kind or 'no Content-Type'!r} (curl: add -H 'Content-Type: application/json')",
                            code="unsupported_media_type")
-        raw = await request.body()
-        record = getattr(request.app.state, "record", None)
-        if record is not None:
-            _record(record, request.url.path, raw)
-        try:
-            return model.model_validate_json(raw or b"{}")
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors(include_url=False)) from None
+        return parse_body(request, model, await request.body())  # checked, then recorded (serve --record)
     return parse
-
-
-def _record(path: str, route: str, raw: bytes) -> None:
-    """serve --record: the request body, one JSON line (a session to replay: bench --kinds agent)."""
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"time": round(time.time(), 3), "path": route, "body": body}, ensure_ascii=False) + "\n")
 
 
 def _n_ctx(s: worker.Scheduler) -> int:

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import tempfile
 import threading
 from pathlib import Path
 
@@ -72,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait while --parallel ones are answered; beyond that, 503 "
                    f"(default {DEFAULT_QUEUE})")
     p.add_argument("--record", default=None, metavar="FILE",
-                   help="append every request's JSON body to FILE, one line each: a session of an agent to replay "
-                        "with `bench --kinds agent --agent-session FILE` (it holds your prompts: keep it private)")
+                   help="append the JSON body of every request to the API (OpenAI's, Anthropic's and Ollama's "
+                        "routes) to FILE, one line each: a session of an agent to replay with `bench --kinds agent "
+                        "--agent-session FILE`. It holds your prompts: it is created readable by you alone (0600)")
     p.add_argument("--no-metrics", dest="metrics", action="store_false",
                    help="do not serve GET /metrics (Prometheus text in llama.cpp's names; on by default, behind "
                    "the same --api-key and Origin/Host checks as the API)")
@@ -133,6 +135,17 @@ def check_model(settings) -> None:
             raise ModelFileError(f"model file {path} does not exist: check the path, or pull a pair by name")
 
 
+def check_folder(flag: str, path: str) -> None:
+    """`path` is a folder this process can write files in (made when missing), or a UsageError."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write there ({exc.strerror or exc}): give a folder you can "
+                         "write") from None
+
+
 class _Stopped(Exception):
     pass
 
@@ -169,6 +182,16 @@ def cmd_serve(args) -> int:
     for name in args.allowed_host:
         if name.strip() != "*" and not split_host(name)[0]:
             raise UsageError(f"--allowed-host {name!r} is not a host name: give NAME or NAME:PORT")
+    # the paths written to, refused now (one line, exit 2) rather than once loading or every request fails
+    if args.record is not None:
+        from .schemas import Recorder
+        try:
+            Recorder(args.record).check()
+        except OSError as exc:
+            raise UsageError(f"--record {args.record}: cannot write there ({exc.strerror or exc}): give a file in a "
+                             "folder you can write") from None
+    if args.cache_dir is not None:
+        check_folder("--cache-dir", args.cache_dir)
     from ..engine import Engine
 
     check_model(settings)

@@ -10,7 +10,8 @@ durations (nanoseconds), and the speculation figures (`edgespec`, llama.cpp's `t
 `/api/version` says which Ollama API this follows.
 
 Ollama's sampling defaults apply (temperature 0.8, top_k 40, top_p 0.9). Not served: images,
-thinking, log probabilities, fill-in-the-middle (`suffix`), custom templates, the token
+thinking, log probabilities, fill-in-the-middle (`suffix`), custom templates, an assistant message
+to continue (a chat ending with one is a 400, as on /v1/messages; Ollama continues it), the token
 `context` of older clients, embeddings (501) and model management: pull, push, create, copy and
 delete say to use `edgespec pull` and restart `serve` instead. A model name other than the
 served one is Ollama's 404. Errors have Ollama's shape, `{"error": "..."}` (schemas.ApiError.body_for).
@@ -30,13 +31,12 @@ from typing import Any, Callable, Optional, Union
 
 import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.responses import StreamingResponse
 
 from .openai import ChatRequest, CompletionRequest
-from .schemas import ApiError, Shape as _Shape, check_extra_fields, timings
+from .schemas import ApiError, Shape as _Shape, check_extra_fields, describe_errors, parse_body, timings
 
 # the Ollama API this follows (VS Code's Ollama provider wants >= 0.6.4)
 OLLAMA_VERSION = "0.12.0"
@@ -163,9 +163,7 @@ def _validated(model: type[BaseModel], body: dict):
     try:
         return model.model_validate(body)
     except ValidationError as exc:  # a value of the wrong type inside options or messages
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise ApiError(400, f"{where}: {first['msg']}" if where else str(first["msg"])) from None
+        raise ApiError(400, describe_errors(exc.errors(include_url=False))[0]) from None
 
 
 def _short(value, limit: int = 60) -> str:
@@ -197,7 +195,9 @@ def _options(options: Optional[dict]) -> dict:
             out["top_k"] = max(0, _integer(name, value))  # 0 or less: no top-k
         elif name == "seed":
             seed = _integer(name, value)
-            out.pop("seed", None) if seed < 0 else out.update(seed=seed)  # -1: a random seed
+            if seed < -1:  # Ollama's -1 is the one way to ask for a random seed
+                raise ApiError(400, f"options.seed must be >= 0, or -1 for a random seed; got {seed}")
+            out.pop("seed", None) if seed == -1 else out.update(seed=seed)
         elif name == "num_predict":
             n = _integer(name, value)
             if n in (-1, -2):  # no limit / fill the context: until the answer or the context ends
@@ -252,6 +252,9 @@ def _messages(messages: list) -> list[dict]:
         if m.get("role") == "tool":
             msg["tool_call_id"] = _answered(m, open_calls, where)
         out.append(msg)
+    if out and out[-1]["role"] == "assistant":  # Ollama would continue it; /v1/messages refuses it too
+        raise ApiError(400, f"messages.{len(out) - 1}: the last message is the assistant's; this server does not "
+                       "continue a prefilled answer: end with a user (or tool) message")
     return out
 
 
@@ -539,11 +542,7 @@ def _body(model: type[BaseModel]):
         if kind != "application/json" and not loose:
             raise ApiError(415, f"the request body must be JSON sent as 'Content-Type: application/json', "
                            f"got {kind or 'no Content-Type'!r}")
-        raw = await request.body()
-        try:
-            return model.model_validate_json(raw or b"{}")
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors(include_url=False)) from None
+        return parse_body(request, model, await request.body())  # checked, then recorded (serve --record)
     return parse
 
 

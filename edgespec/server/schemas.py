@@ -8,15 +8,25 @@ Bodies are pydantic models in strict mode (JSON `true` is not a max_tokens of 1,
 5). Fields that cannot change the answer (user, store, metadata...) are ignored; every other
 field this server does not implement (logit_bias, n > 1, logprobs, echo, suffix, a field from a
 later API) is refused with a 400 naming it unless it holds its neutral value
-(`check_extra_fields`), never silently dropped.
+(`check_extra_fields`), never silently dropped. A body that fails its model is described in
+words (`describe_errors`: "format: must be a string or an object, got 5"), never in pydantic's
+names for the branches of a union. `parse_body` checks a body and then hands it to the
+`Recorder` (serve --record).
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
+import stat
 import time
-from typing import Optional
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+log = logging.getLogger("edgespec.server")
 
 
 class ApiError(Exception):
@@ -126,7 +136,6 @@ def timings(stats) -> dict:
 
 
 def dumps(obj) -> str:
-    import json
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -192,3 +201,144 @@ class Shape:
                                      "queue": round(c["started"] - c["queued"], 4),
                                      "total": round(time.perf_counter() - c["t0"], 4)}
         return out
+
+
+# -- a body that fails its model, in words ------------------------------------------------------------
+# what pydantic's error types and union branches (its tags: 'str', 'dict[any,any]', 'list[str]') expect
+_EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
+             "bool_type": "true or false", "dict_type": "an object", "list_type": "a list", "model_type": "an object"}
+_KINDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false", "none": "null",
+          "dict": "an object", "list": "a list"}
+_PLURALS = {"str": "strings", "int": "integers", "float": "numbers", "bool": "booleans", "dict": "objects",
+            "list": "lists"}
+
+
+def _is_branch(part) -> bool:
+    """Whether a part of an error's location is a union branch's tag rather than a field or an index."""
+    return isinstance(part, str) and (part in _KINDS or re.match(r"[a-z][a-z-]*\[", part) is not None)
+
+
+def _branch_words(tag: str) -> str:
+    base, _, inner = tag.partition("[")
+    if base == "list" and inner:
+        plural = _PLURALS.get(inner.partition("[")[0].rstrip("]"))
+        return f"a list of {plural}" if plural else "a list"
+    return _KINDS.get(base, "another value")
+
+
+def _shown(value, limit: int = 60) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _either(words: list) -> str:
+    words = list(dict.fromkeys(words))
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def describe_errors(errors: list) -> tuple[str, Optional[str]]:
+    """The first of pydantic's errors as one line for a person, and the body field it names:
+    "format: must be a string or an object, got 5" (every branch of a union the value may take),
+    "max_tokens: must be an integer, got \"5\"", "messages: is required"."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    cut = next((i for i, p in enumerate(loc) if _is_branch(p)), None)
+    if cut is not None:  # a value none of a union's branches took: say what each would take
+        field, words, value, known = loc[:cut], [], None, False
+        for e in errors:
+            at = [p for p in e.get("loc", ()) if p != "body"]
+            if at[:cut] == field and len(at) > cut and _is_branch(at[cut]):
+                words.append(_branch_words(at[cut]))
+                if len(at) == cut + 1 and not known:
+                    value, known = e.get("input"), True
+        where = ".".join(str(p) for p in field)
+        said = f"must be {_either(words)}" + (f", got {_shown(value)}" if known else "")
+        return (f"{where}: {said}" if where else f"the request body {said}"), (str(field[0]) if field else None)
+    where = ".".join(str(p) for p in loc)
+    kind = first.get("type")
+    if kind in _EXPECTED:
+        said = f"must be {_EXPECTED[kind]}, got {_shown(first.get('input'))}"
+    elif kind == "missing":
+        said = "is required"
+    else:
+        said = str(first.get("msg", "invalid value"))
+    return (f"{where}: {said}" if where else f"the request body {said}"), (str(loc[0]) if loc else None)
+
+
+# -- serve --record -------------------------------------------------------------------------------
+class Recorder:
+    """serve --record FILE: every request body the API reads, one JSON line each
+    ({"time", "path", "body"}; a session to replay with `bench --kinds agent`). The file is its
+    owner's alone (0600, as the prompt cache's files): it holds the prompts. A body is written as
+    it was sent, after the route's check, and never parsed here (its line breaks, which JSON
+    only has between tokens, dropped). A failure to write is logged; the request is answered
+    all the same."""
+
+    _FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+              | getattr(os, "O_CLOEXEC", 0))  # O_NONBLOCK: a FIFO without a reader is an error, not a hang
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.failing = False
+
+    def check(self) -> None:
+        """Open the file as a recording does (created 0600 if missing): OSError when it cannot be written."""
+        os.close(self._open())
+
+    def _open(self) -> int:
+        fd = os.open(self.path, self._FLAGS, 0o600)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(0, "not a regular file")
+            if st.st_mode & 0o077 and hasattr(os, "fchmod") and st.st_uid == os.geteuid():
+                os.fchmod(fd, 0o600)  # a file an older version wrote, open to others: it holds prompts
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def add(self, route: str, raw: bytes) -> None:
+        body = (raw or b"{}").strip().replace(b"\r", b"").replace(b"\n", b"")
+        line = b'{"time": %s, "path": %s, "body": %s}\n' % (
+            json.dumps(round(time.time(), 3)).encode(), json.dumps(route).encode(), body)
+        try:
+            fd = self._open()
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+        except Exception as exc:  # a full disk, a removed folder: the request goes on unrecorded
+            if not self.failing:
+                log.warning("--record %s: cannot write (%s); requests are answered but not recorded until it can",
+                            self.path, getattr(exc, "strerror", None) or exc)
+            self.failing = True
+            return
+        if self.failing:
+            log.warning("--record %s: recording again", self.path)
+            self.failing = False
+
+
+def parse_body(request, model: type[BaseModel], raw: bytes) -> Any:
+    """`raw` checked as `model` (RequestValidationError otherwise, as FastAPI raises it), then
+    recorded when the server records (serve --record): after the check, so that a body the parser
+    refuses (JSON nested deeper than it follows) gets the same 400 with or without recording. A
+    body that is no JSON is not recorded; one of the wrong shape is (what a client sent)."""
+    recorder = getattr(request.app.state, "record", None)
+    try:
+        body = model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        if recorder is not None and not any(e.get("type") == "json_invalid" for e in errors):
+            recorder.add(request.url.path, raw)
+        raise RequestValidationError(errors) from None
+    if recorder is not None:
+        recorder.add(request.url.path, raw)
+    return body

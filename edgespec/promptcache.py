@@ -15,14 +15,21 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .cachefile import open_regular
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 MIN_TOKENS = 32          # shorter prefixes are cheaper to evaluate again than to keep
 ENTRY_OVERHEAD = 512     # bytes of bookkeeping per entry beyond its states
@@ -148,6 +155,7 @@ class DiskCache:
         self.capacity = capacity
         self.dir.mkdir(parents=True, exist_ok=True)
         self.refused = 0
+        self.removed_parts = clean_parts(self.dir)  # what saves cut off (a process killed) left behind
         self._index: dict[tuple[int, ...], Path] = {}
         foreign: dict[str, int] = {}
         for f in sorted(self.dir.glob("*.slot"), key=_mtime):
@@ -260,12 +268,16 @@ class DiskCache:
             head.update(size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
         # named by the setup too: another setup's entry of the same conversation is kept for it
         name = hashlib.sha256(json.dumps([self.identity, head["tokens"]]).encode()).hexdigest()[:32] + ".slot"
-        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".part")
+        fd, tmp = _new_part(self.dir)
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(json.dumps(head).encode() + b"\n")
                 fh.write(payload)
-            os.replace(tmp, self.dir / name)  # never half-written under its own name
+                if fcntl is not None:  # renamed while locked: clean_parts never takes a finished file
+                    fh.flush()
+                    os.replace(tmp, self.dir / name)  # never half-written under its own name
+            if fcntl is None:  # Windows: an open file cannot be renamed
+                os.replace(tmp, self.dir / name)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -293,6 +305,68 @@ class DiskCache:
                 f.unlink()
             except OSError:
                 pass
+
+
+# -- what a killed save leaves ------------------------------------------------------------------------
+# A save writes "<random>.part" and renames it to its entry when whole; a process killed meanwhile
+# (SIGKILL, a power cut) leaves the .part, up to an agent's prefix of a gigabyte, that nothing
+# would remove or count. Two servers may share the folder, so only a .part nobody writes goes:
+# its writer holds an exclusive flock on it from creation to rename (flock is per open file, works
+# across processes, containers and, on Linux, NFS clients; it dies with its holder), and a start
+# removes the .part files whose lock it gets. Where there is no flock (Windows), a .part goes
+# when it has not been written to for PART_AGE_S.
+PART_AGE_S = 3600
+
+
+def _new_part(directory: Path) -> tuple[int, str]:
+    """A new .part file in `directory`, open and (with flock) locked: (fd, path)."""
+    while True:
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".part")
+        if fcntl is None:
+            return fd, tmp
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a start that took it first removes it
+        if os.fstat(fd).st_nlink > 0:
+            return fd, tmp
+        os.close(fd)  # removed by clean_parts between its creation and the lock: another name
+
+
+def clean_parts(directory: Path) -> int:
+    """Remove the .part files in `directory` that no save is writing (see above); their bytes."""
+    removed = 0
+    for f in Path(directory).glob("*.part"):
+        try:
+            size = _remove_if_stale(f)
+        except OSError:  # a save holds it, it went meanwhile (renamed into its entry), or it is not ours
+            continue
+        if size is not None:
+            removed += size
+            logging.getLogger("edgespec").info("prompt cache: removed %s (%d bytes), left by a save that was cut "
+                                               "off", f, size)
+    return removed
+
+
+def _remove_if_stale(f: Path) -> Optional[int]:
+    """Remove `f` when no save writes it: its size; None when it is kept."""
+    if fcntl is None:
+        st = os.lstat(f)
+        if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < PART_AGE_S:
+            return None
+        os.unlink(f)
+        return st.st_size
+    # read-write: an exclusive lock needs it where flock is a POSIX lock (NFS); O_NONBLOCK and
+    # O_NOFOLLOW: a FIFO or a link named *.part is neither waited on nor followed
+    fd = os.open(f, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError (an OSError): a save writes it
+        if os.lstat(f).st_ino != st.st_ino:  # the name is another file's now
+            return None
+        os.unlink(f)
+        return st.st_size
+    finally:
+        os.close(fd)
 
 
 def _mtime(f: Path) -> float:

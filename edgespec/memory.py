@@ -423,10 +423,10 @@ def plan(target_info, draft_info=None, *, n_ctx: int = N_CTX, drafter: str = "au
                 choice, chosen_mode = hit, m
                 if d == wanted[0] and c == n_ctx:
                     reason = ("the requested configuration fits" if m == asked else
-                              f"{wanted[0]} at n_ctx {n_ctx}{with_seqs} does not fit in {budget / 2**30:.2f} GiB "
+                              f"{wanted[0]} at n_ctx {n_ctx}{with_seqs} does not fit in {size_words(budget)} "
                               f"in the {asked.name} memory mode; {m.name} makes it fit")
                 else:
-                    reason = (f"{wanted[0]} at n_ctx {n_ctx}{with_seqs} does not fit in {budget / 2**30:.2f} GiB"
+                    reason = (f"{wanted[0]} at n_ctx {n_ctx}{with_seqs} does not fit in {size_words(budget)}"
                               + (", in any memory mode" if len(modes) > 1 else ""))
                 break
             if choice:
@@ -440,7 +440,7 @@ def plan(target_info, draft_info=None, *, n_ctx: int = N_CTX, drafter: str = "au
         result["choice"] = ({k: v for k, v in choice.items() if k != "parts"}
                             | {"reason": reason, "memory_mode": chosen_mode.as_dict(), "flash_attn": needs_fa})
     else:
-        result["choice"] = {"reason": f"nothing fits in {budget / 2**30:.2f} GiB, not even plain decoding at n_ctx "
+        result["choice"] = {"reason": f"nothing fits in {size_words(budget)}, not even plain decoding at n_ctx "
                             f"{ctxs[-1]}{with_seqs}" + (" in its cheapest memory mode" if len(modes) > 1 else "")}
     return result
 
@@ -498,6 +498,14 @@ CONFIG_WORDS = {"model": "target + draft model", "ngram": "target + n-gram draft
 PART_WORDS = {"weights": "weights", "repacked": "copied weights", "kv_cache": "KV cache",
               "attention": "attention scratch", "activations": "activations", "vocab_tables": "vocabulary",
               "output": "logits"}
+
+
+def size_words(n: int) -> str:
+    """A budget in the unit that shows it: 1.50 GiB, 512 MiB, 1 KiB, 100 bytes (never "0.00 GiB")."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} GiB" if unit == "GiB" else f"{n / size:,.1f}".removesuffix(".0") + f" {unit}"
+    return f"{n} byte" + ("" if n == 1 else "s")
 
 
 def _gib(n: int) -> str:

@@ -90,6 +90,8 @@ class Options:
         if self.structured and self.kinds != STRUCTURED:
             raise UsageError(f"--kinds {STRUCTURED} runs on its own (its prompts carry schemas); "
                              f"got --kinds {self.kinds}")
+        if self.kinds is not None and not self.structured:
+            self._check_kinds()
         allowed = _structured_modes() if self.structured else MODES
         bad = [m for m in self.modes if m not in allowed]
         if bad:
@@ -111,6 +113,15 @@ class Options:
                 raise UsageError("--peer llama-server runs on its own (its five servers): leave out --kinds "
                                  "structured, --modes, --sweep, --acceptance and --parallel-requests")
         return self
+
+    def _check_kinds(self) -> None:
+        """Every kind named is one of the workloads' (or one that runs on its own): else they are listed."""
+        path = self.workloads or str(default_workloads())
+        known = sorted({it["kind"] for it in load_workloads(path)})
+        bad = [k for k in self.kinds.split(",") if k not in known]
+        if bad:
+            raise UsageError(f"--kinds: no workloads of kind {', '.join(repr(k) for k in bad)} in {path}; its kinds "
+                             f"are {', '.join(known)} ({STRUCTURED} and {AGENT} run benchmarks of their own)")
 
 
 def add_arguments(p) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+from typing import Optional
 
 from ..assemble import Settings
 from ..errors import EdgespecError, UsageError
@@ -448,8 +450,34 @@ def _version() -> str:
     return f"{edgespec.__version__} (llama-cpp-python {lcpp})"
 
 
+# a negative size is no size, but argparse reads `--cache-ram -5MiB` as two flags and answers
+# "expected one argument": such a value is taken here and refused in words
+SIZE_FLAGS = {"--memory-budget": "a size like 2GiB", "--cache-ram": "0 to turn the prompt cache off, or a size "
+              "like 512MiB"}
+
+
+def _negative_size(argv: list[str]) -> Optional[str]:
+    """The message for a size flag given a negative value, if one is."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        flag, eq, value = arg.partition("=")
+        if flag not in SIZE_FLAGS:
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if re.match(r"-\s*\.?\d", value):
+            return f"{flag} {value}: a size cannot be negative; give {SIZE_FLAGS[flag]}"
+    return None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    negative = _negative_size(argv)
+    if negative is not None:  # one line and exit 2, as the parser's own errors
+        print(f"{PROG}: error: {negative}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.verb is None:  # a bare `edgespec`: what it can do, not an error
         parser.print_help()

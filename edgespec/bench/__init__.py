@@ -158,6 +158,12 @@ def add_arguments(p) -> None:
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="with --peer: the llama-server binary (default $LLAMA_SERVER, else built once from the "
                    "llama.cpp that llama-cpp-python vendors, ~12 minutes on 2 cores)")
+    _add_host_cost(p)
+
+
+def _add_host_cost(p) -> None:
+    from . import hostcost
+    hostcost.add_arguments(p)
 
 
 def options_from_args(args) -> Options:

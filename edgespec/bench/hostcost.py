@@ -36,6 +36,13 @@ from ..sampling import SamplingParams, greedy_token, row_law, sample
 log = logging.getLogger("edgespec")
 
 ROWS = 48  # recorded positions per model
+STRUCTURED_ROWS = 200  # at most, under the schema (the whole answer)
+PEOPLE_PROMPT = (
+    "Extract every person mentioned in this message as JSON with their name, email and phone.\n\n"
+    "Hi team, for the vendor review please contact Dana Whitfield (dana.whitfield@northwind-labs.com, "
+    "+1 415 555 0142) about the contract, Marcus Lee (marcus.lee@northwind-labs.com, +1 415 555 0178) "
+    "about the hiring plan, Priya Raman (priya.raman@northwind-labs.com, +1 628 555 0109) about the budget "
+    "and Tomas Ortega (t.ortega@harbor-freight.io, +1 510 555 0193) about shipping.\n\nJSON:")
 PROMPT = ("Write a Python function that parses a CSV file of orders (id, customer, amount, date) and "
           "returns the total amount per customer for each month, with a docstring and type hints.")
 
@@ -102,24 +109,38 @@ def _paths(vocab: Vocab) -> tuple[Path, Path]:
     return target, draft
 
 
-def recorded(vocab: Vocab, progress: Optional[Callable[[str], None]] = None) -> dict:
-    """The rows of `vocab`'s target and draft at ROWS positions of the target's greedy answer to
-    PROMPT, recorded from the GGUFs on first use and kept under ~/.cache/edgespec/hostcost."""
+def recorded(vocab: Vocab, progress: Optional[Callable[[str], None]] = None, structured: bool = False) -> dict:
+    """The rows of `vocab`'s target and draft along the target's greedy answer to PROMPT (ROWS of
+    them), or with `structured` to PEOPLE_PROMPT under the PEOPLE schema (the whole answer, at most
+    STRUCTURED_ROWS), recorded from the GGUFs on first use and kept under ~/.cache/edgespec/hostcost.
+    Row 0 is the prompt's last position."""
     from ..backend import LlamaBackend
     from ..registry import cache_dir
     target_path, draft_path = _paths(vocab)
-    out = cache_dir() / "hostcost" / f"{vocab.name}-{target_path.stem}-{draft_path.stem}.npz"
+    kind = "-people" if structured else ""
+    out = cache_dir() / "hostcost" / f"{vocab.name}{kind}-{target_path.stem}-{draft_path.stem}.npz"
     if not out.exists():
         if progress:
-            progress(f"recording {ROWS} logits rows of {target_path.name} and {draft_path.name} (once)")
-        target = LlamaBackend(target_path, n_ctx=512)
+            progress(f"recording logits rows of {target_path.name} and {draft_path.name}"
+                     f"{' under a JSON schema' if structured else ''} (once)")
+        target = LlamaBackend(target_path, n_ctx=1024)
         try:
-            tokens = target.tokenize(PROMPT)
+            tokens = target.tokenize(PEOPLE_PROMPT if structured else PROMPT)
             prompt_len = len(tokens)
+            guide = None
+            if structured:
+                from ..constraints import Constraint, Guide, tokenizer_for
+                guide = Guide(Constraint.build(json_schema=PEOPLE), tokenizer_for(target), target.n_vocab)
             rows = [target.eval(tokens, [len(tokens) - 1])[0]]
-            while len(rows) < ROWS:
-                order = np.argsort(-rows[-1])
-                nxt = next(int(t) for t in order if not target.is_eog(int(t)))  # the answer never ends
+            while len(rows) < (STRUCTURED_ROWS if structured else ROWS):
+                if guide is not None:
+                    nxt = greedy_token(rows[-1], guide.allowed())
+                    if target.is_eog(nxt):
+                        break
+                    guide.advance([nxt])
+                else:
+                    order = np.argsort(-rows[-1])
+                    nxt = next(int(t) for t in order if not target.is_eog(int(t)))  # the answer never ends
                 tokens.append(nxt)
                 rows.append(target.eval([nxt], [0])[0])
         finally:
@@ -141,15 +162,17 @@ def recorded(vocab: Vocab, progress: Optional[Callable[[str], None]] = None) -> 
 
 # -- the simulated device ---------------------------------------------------------------------------
 class SimBackend:
-    """A Backend whose passes return recorded rows (row of position p: rows[p % len(rows)]) and
+    """A Backend whose passes return recorded rows (row of position p: rows[(p - offset) % len(rows)]) and
     wait `a_ms + b_ms * tokens fed`; the tokenizer is the real model's (`vocab`, a LlamaBackend).
     `busy`: the seconds its passes waited. End of generation never comes (the answer runs to its
     budget)."""
 
     canonical_piece = 64
 
-    def __init__(self, vocab, rows: np.ndarray, a_ms: float, b_ms: float, n_seq: int = 1, name: str = "sim"):
+    def __init__(self, vocab, rows: np.ndarray, a_ms: float, b_ms: float, n_seq: int = 1, name: str = "sim",
+                 offset: int = 0):
         self.vocab, self.rows = vocab, np.ascontiguousarray(rows, dtype=np.float32)
+        self.offset = offset  # the position of row 0
         self.a, self.b = a_ms / 1000.0, b_ms / 1000.0
         self.n_vocab = self.rows.shape[1]
         self.n_ctx, self.n_seq, self.n_batch = 4096, n_seq, 512
@@ -174,8 +197,11 @@ class SimBackend:
     def chat_template(self):
         return self.vocab.chat_template()
 
-    def guidance_tokenizer(self):
-        return self.vocab.guidance_tokenizer()
+    def guidance_tokenizer(self):  # called under constraints.tokenizer_for's lock
+        tok = getattr(self.vocab, "_llg_tokenizer", None)
+        if tok is None:  # built once per vocabulary, as for a loaded model
+            tok = self.vocab._llg_tokenizer = self.vocab.guidance_tokenizer()
+        return tok
 
     def __getattr__(self, name):  # the rest of the tokenizer's surface (longest_piece, special_texts, ...)
         if name in ("vocab", "rows"):
@@ -213,7 +239,7 @@ class SimBackend:
             base = len(self._held[seq])
             if base + len(tokens) > self.n_ctx:
                 raise UsageError("the simulated context is full")
-            got = [self.rows[(base + r) % n] for r in rows]  # read as llama_get_logits_ith is
+            got = [self.rows[(base + r - self.offset) % n] for r in rows]  # read as llama_get_logits_ith is
             outs.append(np.array(got, dtype=np.float32).reshape(len(rows), self.n_vocab) if copy else got)
             fed += len(tokens)
         t0 = time.perf_counter()
@@ -281,8 +307,10 @@ def run_once(rec: dict, vocab_backend, setting: Setting, k: int, parallel: int, 
     Engine over the simulated target and draft; wall and device time of the whole."""
     from ..drafters.model import ModelDrafter
     from ..engine import Engine
-    target = SimBackend(vocab_backend, rec["target"], a_ms, b_ms, n_seq=parallel, name="target")
-    draft = SimBackend(vocab_backend, rec["draft"], draft_ms, 0.0, n_seq=parallel, name="draft") if k else None
+    offset = rec["prompt_len"] - 1
+    target = SimBackend(vocab_backend, rec["target"], a_ms, b_ms, n_seq=parallel, name="target", offset=offset)
+    draft = SimBackend(vocab_backend, rec["draft"], draft_ms, 0.0, n_seq=parallel, name="draft",
+                       offset=offset) if k else None
     width = max(target.n_vocab, draft.n_vocab if draft else 0)
     engine = Engine(target, ModelDrafter(draft, width, gamma=k) if k else None,
                     parallel=parallel if parallel > 1 else None)
@@ -293,7 +321,7 @@ def run_once(rec: dict, vocab_backend, setting: Setting, k: int, parallel: int, 
         opts["json_schema"] = setting.schema
     results = [None] * parallel
     try:
-        engine.generate(prompt, max_tokens=1)  # the engine's first use (and the grammar's tokenizer) apart
+        engine.generate(prompt, **{**opts, "max_tokens": 2})  # first use apart (the grammar's tokenizer)
         for be in (target, draft):
             if be is not None:
                 be.busy = 0.0
@@ -371,10 +399,64 @@ def per_row(rows: np.ndarray, params: SamplingParams, repeat: int = 3) -> dict:
 
 
 # -- the benchmark -------------------------------------------------------------------------------------
+def _list(text: str, what: str, cast=str) -> tuple:
+    try:
+        out = tuple(cast(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{what} takes a comma-separated list, got {text!r}") from None
+    if not out:
+        raise UsageError(f"{what} is empty")
+    return out
+
+
+def options(args) -> dict:
+    """`bench --host-cost`'s options from the command line, checked (UsageError names the bad one)."""
+    a_b = _list(args.device_ms, "--device-ms", float)
+    if len(a_b) != 2 or a_b[0] <= 0 or a_b[1] < 0:
+        raise UsageError(f"--device-ms takes A,B: a target pass costs A + B ms a token fed (A > 0, B >= 0), "
+                         f"got {args.device_ms!r}")
+    if not args.draft_ms > 0:
+        raise UsageError(f"--draft-ms must be > 0, got {args.draft_ms}")
+    ks = _list(args.host_k, "--host-k", int)
+    if any(not 0 <= k <= 16 for k in ks):
+        raise UsageError(f"--host-k draft lengths must be in 0..16, got {args.host_k}")
+    parallels = _list(args.host_parallel, "--host-parallel", int)
+    if any(not 1 <= p <= 8 for p in parallels):
+        raise UsageError(f"--host-parallel takes 1..8 requests at once, got {args.host_parallel}")
+    trials = 5 if args.trials == 1 else args.trials  # as --peer's default of 2: one trial says little
+    tokens = args.bench_tokens if args.bench_tokens is not None else 64
+    if trials < 1 or tokens < 1:
+        raise UsageError("--trials and --max-tokens must be >= 1")
+    out = args.out if args.out != "bench-results/bench.json" else "bench-results/host-cost.json"
+    return dict(vocabs=_list(args.vocabs, "--vocabs"), settings=_list(args.settings, "--settings"), ks=ks,
+                parallels=parallels, trials=trials, tokens=tokens, a_ms=a_b[0], b_ms=a_b[1],
+                draft_ms=args.draft_ms, out=out)
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("--host-cost (the host's share of a round over a simulated device; no GPU needed)")
+    g.add_argument("--host-cost", action="store_true",
+                   help="instead: edgespec's rounds over recorded logits rows and a simulated device; efficiency = "
+                   "device time / wall time, and per row edgespec's law against llama.cpp's sampler chain "
+                   "(--trials defaults to 5, --max-tokens to 64)")
+    g.add_argument("--device-ms", default="3,0.1", metavar="A,B",
+                   help="a simulated target pass costs A + B ms a token fed (default 3,0.1: a 1.5B on a laptop GPU)")
+    g.add_argument("--draft-ms", type=float, default=1.0, metavar="MS", help="a simulated draft step (default 1)")
+    g.add_argument("--vocabs", default="49k,152k,262k", metavar="V1,V2",
+                   help="vocabularies: " + ", ".join(f"{k} ({v.pair})" for k, v in VOCABS.items()))
+    g.add_argument("--settings", default=",".join(SETTINGS), metavar="S1,S2",
+                   help="sampling settings: " + ", ".join(f"{k} ({v.name})" for k, v in SETTINGS.items()))
+    g.add_argument("--host-k", default="0,1,4,8", metavar="K1,K2", help="draft lengths (0: plain decoding)")
+    g.add_argument("--host-parallel", default="1,4", metavar="P1,P2", help="requests at once")
+
+
 def main(*, vocabs=("49k", "152k", "262k"), settings=tuple(SETTINGS), ks=(0, 1, 4, 8), parallels=(1, 4),
          trials: int = 5, tokens: int = 64, a_ms: float = 3.0, b_ms: float = 0.1, draft_ms: float = 1.0,
-         out: Optional[str] = None, progress=None, say=print) -> dict:
+         out: Optional[str] = None, progress=None, say=log.info) -> dict:
+    """Every configuration, interleaved trials; `progress(Progress)` after each run. Returns the report
+    (written as JSON to `out`)."""
     from ..backend import LlamaBackend
+    from ..progress import report as tell
     for v in vocabs:
         if v not in VOCABS:
             raise UsageError(f"unknown vocabulary {v!r}: choose from {', '.join(VOCABS)}")
@@ -387,6 +469,7 @@ def main(*, vocabs=("49k", "152k", "262k"), settings=tuple(SETTINGS), ks=(0, 1, 
     done = 0
     for vname in vocabs:
         rec = recorded(VOCABS[vname], progress=lambda m: say(m))
+        people = recorded(VOCABS[vname], progress=lambda m: say(m), structured=True) if "schema" in settings else None
         vocab_backend = LlamaBackend(rec["draft_path"], n_ctx=256, n_batch=64)
         try:
             for sname in settings:
@@ -394,18 +477,16 @@ def main(*, vocabs=("49k", "152k", "262k"), settings=tuple(SETTINGS), ks=(0, 1, 
                 r = per_row(rec["target"], setting.params)
                 report["rows"].append({"vocab": vname, "setting": setting.name, **r})
                 done += 1
-                if progress:
-                    progress(done, total)
+                tell(progress, "host-cost", done, total, "steps", f"{vname} per row")
             configs = [(s, k, p) for s in settings for k in ks for p in parallels]
             runs: dict = {c: [] for c in configs}
             for _ in range(trials):  # interleaved: each trial runs every configuration once
                 for c in configs:
                     s, k, p = c
-                    runs[c].append(run_once(rec, vocab_backend, SETTINGS[s], k, p, tokens, a_ms, b_ms,
-                                            draft_ms, vname))
+                    runs[c].append(run_once(people if SETTINGS[s].schema else rec, vocab_backend, SETTINGS[s], k, p,
+                                            tokens, a_ms, b_ms, draft_ms, vname))
                     done += 1
-                    if progress:
-                        progress(done, total)
+                    tell(progress, "host-cost", done, total, "steps", f"{vname} {s} k={k} x{p}")
             for (s, k, p), got in runs.items():
                 eff = statistics.median(r.efficiency for r in got)
                 wall = statistics.median(r.wall / max(1, r.tokens) for r in got)

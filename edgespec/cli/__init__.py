@@ -387,6 +387,15 @@ def _setup_bench(sub) -> None:
 
 def cmd_bench(args) -> int:
     from .. import bench
+    if args.host_cost:  # the simulated device: no model settings (bench/hostcost.py)
+        from ..bench import hostcost
+        opts = hostcost.options(args)
+        report = hostcost.main(**opts, progress=ProgressBar(),
+                               say=lambda m: (ProgressBar.finish_open(), print(m, file=sys.stderr)))
+        ProgressBar.finish_open()
+        print(hostcost.format_report(report))
+        print(f"wrote {opts['out']}", file=sys.stderr)
+        return 0
     if args.memory_budget and "," in args.memory_budget:  # a sweep: one process per budget
         from ..bench import budgets
         sizes = budgets.parse_budgets(args.memory_budget)

@@ -210,7 +210,19 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
                                reserve=False)
 
     app.include_router(v1)
-    app.include_router(ollama.router(model_id, scheduler, authorized, chat_like, context_overflow))
+    async def completion_like(request: Request, comp: CompletionRequest, shape, rename: Callable):
+        """A raw prompt of another API answered as /v1/completions answers it (`rename`: its field
+        names in a refusal): Ollama's /api/generate with raw."""
+        s = scheduler()
+        try:
+            ready = await _prepare(comp, _n_ctx(s),
+                                   lambda req: s.engine.prepare_prompt(comp.engine_prompt(), req, room=1), "prompt")
+        except ApiError as exc:
+            rename(exc)
+            raise
+        return await _answer(s, request, shape, comp.stream, lambda engine: engine.stream_prompt(ready))
+
+    app.include_router(ollama.router(model_id, scheduler, authorized, chat_like, context_overflow, completion_like))
     if metrics:
         @app.get("/metrics", dependencies=[Depends(authorized)])
         async def prometheus_metrics():

@@ -547,9 +547,10 @@ def _body(model: type[BaseModel]):
 
 
 def router(model_id: str, scheduler: Callable[[], Any], authorized: Callable, chat_like: Callable,
-           overflow: str) -> APIRouter:
+           overflow: str, completion_like: Callable) -> APIRouter:
     """Ollama's routes over the app's scheduler; `authorized` is the API-key dependency,
-    `chat_like` app.py's answer to a translated chat request."""
+    `chat_like` app.py's answer to a translated chat request, `completion_like` to a raw prompt
+    (passed in: this module does not import app.py, which imports it)."""
     served = Served(model_id)
     api = APIRouter(prefix="/api")
     keyed = [Depends(authorized)]
@@ -601,7 +602,8 @@ def router(model_id: str, scheduler: Callable[[], Any], authorized: Callable, ch
             body._refused()
             return await load(request, False)
         if body.raw:
-            return await _raw(request, scheduler(), body.completion(served.name), Shape(served.name, "generate"))
+            return await completion_like(request, body.completion(served.name), Shape(served.name, "generate"),
+                                         _generate_words)
         return await chat_like(request, body.chat(served.name), lambda prompt: Shape(served.name, "generate"),
                                overflow, GENERATE, reserve=False)
 
@@ -639,14 +641,7 @@ def _refusal(what: str):
     return refuse
 
 
-async def _raw(request: Request, s, comp: CompletionRequest, shape: Shape):
-    """/api/generate with raw: the prompt as it is, answered as /v1/completions answers it."""
-    from .app import _answer, _n_ctx, _prepare  # app.py imports this module
-    try:
-        ready = await _prepare(comp, _n_ctx(s), lambda req: s.engine.prepare_prompt(comp.engine_prompt(), req, room=1),
-                               "prompt")
-    except ApiError as exc:
-        for ours, theirs in GENERATE.WORDS:
-            exc.message = exc.message.replace(ours, theirs)
-        raise
-    return await _answer(s, request, shape, comp.stream, lambda engine: engine.stream_prompt(ready))
+def _generate_words(exc: ApiError) -> None:
+    """/api/generate's field names in an error of the completion it is answered as."""
+    for ours, theirs in GENERATE.WORDS:
+        exc.message = exc.message.replace(ours, theirs)

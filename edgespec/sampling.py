@@ -369,9 +369,10 @@ def greedy_token(row: np.ndarray, allowed: Optional[np.ndarray] = None) -> int:
     """The argmax of a logits row among the tokens `allowed` (a boolean mask) permits; the first
     of equal maxima, as np.argmax of the masked row. Raises FloatingPointError where that maximum
     is not finite (a NaN wins np.argmax: a damaged model)."""
-    if allowed is None:
-        x = int(np.argmax(row))
-    else:
+    x = int(np.argmax(row))
+    if allowed is not None and not (x < allowed.shape[-1] and allowed[x]):
+        # the row's own argmax is forbidden: the first maximum among the allowed (the usual case,
+        # the model following the grammar, needs no mask pass)
         cand = np.flatnonzero(allowed[:row.shape[-1]])
         if cand.size == 0:
             raise FloatingPointError("no token is allowed in this row")

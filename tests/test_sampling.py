@@ -224,3 +224,16 @@ def test_a_law_draws_as_its_dense_row_does():
     dense = law.dense(z.size)
     a, b = np.random.default_rng(5), np.random.default_rng(5)
     assert [law.sample(a) for _ in range(200)] == [sample(dense, b) for _ in range(200)]
+
+
+def test_greedy_token_is_the_first_maximum_among_the_allowed():
+    from edgespec.sampling import greedy_token
+    row = np.array([1.0, 5.0, 3.0, 5.0, 3.0], np.float32)
+    assert greedy_token(row) == 1
+    assert greedy_token(row, np.array([1, 1, 1, 1, 1], bool)) == 1
+    assert greedy_token(row, np.array([1, 0, 1, 1, 1], bool)) == 3   # the global argmax forbidden
+    assert greedy_token(row, np.array([1, 0, 1, 0, 1], bool)) == 2   # ties: the first allowed
+    with pytest.raises(FloatingPointError):
+        greedy_token(np.array([1.0, np.nan, 0.0], np.float32))
+    # a NaN where the mask forbids it is never read
+    assert greedy_token(np.array([1.0, np.nan, 0.0], np.float32), np.array([1, 0, 1], bool)) == 0

@@ -1,5 +1,6 @@
 """CUDA offload check: plain, model and n-gram drafting with every layer on the GPU, T = 0
-equality with plain decoding, the calibrated cost curve, auto against plain.
+equality with plain decoding, the calibrated cost curve, auto against plain, and the host's share of
+each answer's decode time (wall time outside llama_decode, at T = 0 and T = 0.8 top-p 0.95).
 
 Run from the repository root with a CUDA build of llama-cpp-python and a small model:
     python scripts/gpu_check.py MODEL.gguf      (results: gpu_check.json in $OUT or here)
@@ -15,6 +16,27 @@ from edgespec import Engine  # noqa: E402
 from edgespec.backend import gpu_offload_supported  # noqa: E402
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else ".gpu/smol8.gguf"
+
+# the host's share: llama_decode timed where edgespec calls it (backend.py looks it up per call)
+_decode = llama_cpp.llama_decode
+_in_decode = [0.0]
+
+
+def _timed_decode(*args):
+    t = time.perf_counter()
+    try:
+        return _decode(*args)
+    finally:
+        _in_decode[0] += time.perf_counter() - t
+
+
+llama_cpp.llama_decode = _timed_decode
+
+
+def host_share(result, decode_before: float) -> float:
+    """1 - (time in llama_decode) / (decode wall time) of one answer."""
+    wall = result.stats.decode_seconds
+    return round(1 - (_in_decode[0] - decode_before) / wall, 3) if wall > 0 else 0.0
 out = {"gpu_offload": gpu_offload_supported()}
 print("gpu offload:", out["gpu_offload"], flush=True)
 prompts = [json.loads(line)["prompt"] for line in open("workloads/prompts.jsonl")]
@@ -39,12 +61,19 @@ for mode, kw in (("model", dict(draft=MODEL, drafter="model", gamma=4)), ("ngram
         rows = []
         for p, r in zip(prompts[:6], ref):
             eng.reset()
+            before = _in_decode[0]
             s = chat(eng, p, max_tokens=96)
+            share = host_share(s, before)
+            eng.reset()
+            before = _in_decode[0]
+            hot = chat(eng, p, max_tokens=96, temperature=0.8, top_p=0.95, seed=1)
+            share_hot = host_share(hot, before)
             parted = next((i for i, (a, b) in enumerate(zip(s.tokens, r.tokens)) if a != b),
                           None if len(s.tokens) == len(r.tokens) else min(len(s.tokens), len(r.tokens)))
             rows.append({"tps": round(s.stats.tokens_per_second, 1), "ratio": round(
                 s.stats.tokens_per_second / r.stats.tokens_per_second, 2), "parted": parted,
-                "drafted": s.stats.drafted, "accepted": s.stats.accepted, "by": s.stats.by_drafter})
+                "drafted": s.stats.drafted, "accepted": s.stats.accepted, "by": s.stats.by_drafter,
+                "host_share_t0": share, "host_share_t08_top_p": share_hot})
         out[mode] = rows
         if mode == "auto":
             costs = eng.drafter.policy.costs
@@ -53,5 +82,11 @@ for mode, kw in (("model", dict(draft=MODEL, drafter="model", gamma=4)), ("ngram
             out["cost_source"] = eng.drafter.describe_costs()
         print(mode, json.dumps(rows), flush=True)
 print("verify ms", out.get("verify_ms"), "draft step", out.get("draft_step_ms"), flush=True)
+for mode in ("model", "ngram", "auto"):
+    rows = out.get(mode, [])
+    if rows:
+        print(f"host share of a round, {mode}: T = 0 median "
+              f"{sorted(r['host_share_t0'] for r in rows)[len(rows) // 2]:.1%}, T = 0.8 top-p 0.95 median "
+              f"{sorted(r['host_share_t08_top_p'] for r in rows)[len(rows) // 2]:.1%}", flush=True)
 with open(os.path.join(os.environ.get("OUT", "."), "gpu_check.json"), "w") as fh:
     json.dump(out, fh, indent=1, default=str)

@@ -142,16 +142,15 @@ def _top_p(z: np.ndarray, m: float, top_p: float) -> np.ndarray:
     """Indices into z of the smallest set of highest-probability tokens (probabilities at
     temperature 1 over all of z, in float64) whose mass reaches top_p; ties go to the lowest ids.
 
-    On a large row the normalising sum's tail (the tokens outside the narrowest window under the
-    maximum that holds more than top_p of the mass) is summed from float32 exponentials; the cut is
-    taken where that tail's rounding cannot move it, and otherwise (rarely) in float64 on the whole row."""
+    On a large row the weights and their sum come from float32 exponentials (one vectorised pass) and
+    only the narrowest window under the maximum that holds more than top_p of the mass is sorted; the
+    cut is taken where their rounding cannot move it, otherwise (rarely) in float64 on the whole row."""
     if z.size > _SMALL:
         e = np.exp(z - m)  # float32, one vectorised pass
-        total32 = float(e.sum())
-        head = _window(z, m, lambda sel: float(e[sel].sum()) > top_p * total32 * (1 + 4 * _EXP32_ERROR))
-        w = np.exp((z[head] - m).astype(np.float64))
-        tail = max(0.0, total32 - float(e[head].sum()))
-        total, err = float(w.sum()) + tail, (tail + total32) * _EXP32_ERROR
+        total = float(e.sum())
+        head = _window(z, m, lambda sel: float(e[sel].sum()) > top_p * total * (1 + 4 * _EXP32_ERROR))
+        w = e[head].astype(np.float64)  # the head's weights and the sum, both to _EXP32_ERROR
+        err = 2 * total * _EXP32_ERROR
         got = _cut(w, top_p * (total - err), top_p * (total + err))
         if got is not None:
             return head[got]

@@ -19,14 +19,17 @@ from .progress import ProgressCallback, log
 class DrafterKind:
     """One `--drafter` mode: how to build it (`make(target, model, gamma, policy)`: `model` the
     ModelDrafter over the draft backend or None, `policy()` builds the calibrated policy), whether it
-    loads a draft model, and which of the memory planner's configurations it is ("model", "ngram"
-    (an index over the context) or "none"). A new drafter is a `drafters.Drafter` and one line here."""
+    loads a draft model, which of the memory planner's configurations it is ("model", "ngram"
+    (an index over the context) or "none"), and whether it keeps its passes within the rows this
+    build computes exactly when asked (`bit_exact`). A new drafter is a `drafters.Drafter` and one
+    line here."""
 
     name: str
     model: str                  # "needs" | "uses" (when the pair has one) | "no"
     plans_as: str
     help: str
     make: Callable = field(repr=False, default=lambda target, model, gamma, policy: None)
+    bit_exact: bool = False     # honours Settings.bit_exact (auto's policy; plain decoding is exact anyway)
 
     def build(self, target, model, gamma: int, policy=None):
         return self.make(target, model, gamma, policy)
@@ -50,13 +53,13 @@ def _auto(target, model, gamma, policy):
 
 REGISTRY = {k.name: k for k in (
     DrafterKind("auto", "uses", "model", "per round: a copy of the context, the draft model or no draft, from costs "
-                "measured on this device", _auto),
+                "measured on this device", _auto, bit_exact=True),
     DrafterKind("model", "needs", "model", "the draft model, --gamma tokens a round",
                 lambda target, model, gamma, policy: model),
     DrafterKind("ngram", "no", "ngram", "prompt lookup (n-grams of the context), --gamma tokens a round", _ngram),
     DrafterKind("copy", "no", "ngram", "aligned copies of the prompt or the answer (edits), --gamma tokens a round",
                 _copy),
-    DrafterKind("none", "no", "none", "plain decoding"),
+    DrafterKind("none", "no", "none", "plain decoding", bit_exact=True),
 )}
 DRAFTERS = tuple(REGISTRY)
 CALIBRATE = ("auto", "now", "never")
@@ -143,6 +146,13 @@ class Settings:
             raise UsageError(f"parallel_exact must be True or False, got {self.parallel_exact!r}")
         if not isinstance(self.bit_exact, bool):
             raise UsageError(f"bit_exact (--bit-exact) must be True or False, got {self.bit_exact!r}")
+        if self.bit_exact and not REGISTRY[self.drafter].bit_exact:
+            # a fixed drafter verifies gamma drafts a pass as asked: cutting them to the exact rows would
+            # silently change --gamma, and auto already drafts copies, lookups and the model within them
+            raise UsageError(f"bit_exact (--bit-exact) needs drafter auto (or none): auto keeps each verifying pass "
+                             f"within the rows this build computes exactly, the {self.drafter} drafter verifies up to "
+                             f"gamma (--gamma) {self.gamma} drafts a pass whatever that computes; use --drafter auto, "
+                             "or drop --bit-exact")
         if not isinstance(self.repack, bool):
             raise UsageError(f"repack must be True or False, got {self.repack!r}")
         for name, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"), ("cache_type_k_draft", "-ctkd"),

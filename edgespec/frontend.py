@@ -190,7 +190,8 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                        "decode does (measured at calibration): T = 0 answers then equal plain decoding's bit "
                        "for bit, at the cost of speed where longer passes pay (a GPU, an F16 target). Default: "
                        "the target's distribution exactly; at T = 0 its batched logits, as llama.cpp and vLLM "
-                       "verify (docs/exactness.md)")
+                       "verify (docs/exactness.md). With --drafter auto or none only: the fixed drafters verify "
+                       "--gamma drafts a pass, and are refused with it")
     p.add_argument("--models", metavar="FILE", help="your own models.toml, extending the built-in one "
                    "(also $EDGESPEC_MODELS)")
     p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=Settings.n_ctx, metavar="N",

@@ -8,7 +8,7 @@ all of them, batched, on the one thread that owns llama.cpp (backend._Compute, a
 `update_slots`): while a running generation has no committed token waiting to be read, the engine
 posts its next round there (`_loop`); the tokens a round commits wait in each generation's queue,
 and the threads that asked for them only read that queue. `cancel()` ends the running
-generations within a round, `close()` frees the models.
+generations within a round and gives their places back, `close()` frees the models.
 """
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def _stop_prefix(text: str, stop: tuple[str, ...]) -> int:
 
 class Stream:
     """One request's events, as they are committed. `stats` and `finish_reason` are the
-    request's own; `cancel()` ends it within a round; `close()` gives its place back."""
+    request's own; `cancel()` ends it within a round and gives its place back, read or not;
+    `close()` gives its place back."""
 
     def __init__(self, engine: "Engine", generation: Generation):
         self._engine = engine
@@ -80,17 +81,22 @@ class Stream:
     @property
     def finish_reason(self) -> Optional[str]:
         """Why it ended ("tool_calls" when the answer called tools), None while it runs (its
-        generation may have ended while tokens wait to be read)."""
+        generation may have ended while tokens wait to be read). A cancelled stream says why as
+        soon as its generation has ended, whether or not its last tokens were read."""
         if self.tool_calls:
             return "tool_calls"
-        return (self.stats.finish_reason or None) if self._ended else None
+        g = self.generation
+        ended = self._ended or (g.finished and g.cancel.is_set())
+        return (self.stats.finish_reason or None) if ended else None
 
     @property
     def text(self) -> str:
         return "".join(self._text)
 
     def cancel(self) -> None:
-        self.generation.cancel.set()
+        """End the generation within a round (finish reason "cancelled") and give its place back,
+        whether or not the stream is read again: the tokens already committed can still be read."""
+        self._engine._cancel([self._ticket])
 
     def __iter__(self):
         return self
@@ -302,9 +308,23 @@ class Engine(PromptBuilder):
 
     def cancel(self) -> None:
         """End the running generations (from any thread) within one round; their finish reason
-        is "cancelled". Does nothing when no generation runs."""
-        for active in list(self._active):
-            active.cancel()
+        is "cancelled", and their places are given back whether or not their streams are read
+        again. Does nothing when no generation runs."""
+        self._cancel(list(self._active))
+
+    def _cancel(self, holders) -> None:
+        """Cancel `holders` (tickets): ended and their places given back now where no round runs
+        (a stream nobody reads wants no round, so nothing else would), else by the loop after the
+        round that runs (`_loop`, which sees the cancel in `_wanted`). Never waits for a lock that
+        a round holds: a Ctrl-C handler calls this."""
+        for h in holders:
+            h.cancel()
+        if self._work.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._end_cancelled()
+            finally:
+                self._work.release()
 
     def close(self) -> None:
         """Cancel what runs, wait for its round to end, free the models. Idempotent."""
@@ -401,6 +421,19 @@ class Engine(PromptBuilder):
         if g is not None and not g.finished:
             rounds.finish(g, None)
 
+    def _end_cancelled(self) -> None:
+        """End the cancelled generations and give their places back (under `_work`: no round runs
+        now). Their streams keep the tokens already committed, to be read or not."""
+        with self._admission:
+            cancelled = [a for a in self._active if a.generation is not None and a.generation.cancel.is_set()]
+        for a in cancelled:  # outside the admission lock, as every generation's ending (see _release)
+            if not a.generation.finished:
+                rounds.finish(a.generation, "cancelled")
+            self._release(a)
+        if cancelled:
+            with self._round_done:  # their readers
+                self._round_done.notify_all()
+
     # -- generation -----------------------------------------------------------------------
     # Options (or one `request=Request.build(...)`): max_tokens=128, temperature=0.0, top_k=0,
     # top_p=1.0, min_p=0.0, seed=None, stop=(), and at most one of json_schema (a dict or JSON
@@ -465,12 +498,13 @@ class Engine(PromptBuilder):
             self._posted = True        # leave it marked with nothing posted (a second post is harmless)
 
     def _wanted(self) -> bool:
-        """Whether a round is wanted: a running generation has no committed token left to read. A
-        stream nobody reads stops there while it runs alone; beside others it takes part in their
-        rounds (its queue grows up to its max_tokens, as before the loop)."""
+        """Whether a turn of the loop is wanted: a running generation has no committed token left to
+        read, or was cancelled (its place is given back). A stream nobody reads stops there while it
+        runs alone; beside others it takes part in their rounds (its queue grows up to its
+        max_tokens, as before the loop)."""
         with self._admission:
-            return any(a.generation is not None and not a.generation.finished and not a.generation.out
-                       for a in self._active)
+            return any(a.generation is not None and not a.generation.finished
+                       and (not a.generation.out or a.generation.cancel.is_set()) for a in self._active)
 
     def _loop(self) -> None:
         """One turn of the engine's loop, on the llama.cpp thread: a round for every admitted
@@ -485,8 +519,11 @@ class Engine(PromptBuilder):
             self._kick()
             return
         try:
+            if not self._closed:
+                self._end_cancelled()  # a cancel alone computes nothing
             if not self._closed and self._wanted():
                 self._advance()
+                self._end_cancelled()  # those the round ended (a prompt stopped inside its pass)
         except BaseException as exc:  # not one generation's failure (those end in rounds): all of them
             with self._admission:
                 gens = [a.generation for a in self._active if a.generation is not None]
@@ -568,8 +605,9 @@ class Engine(PromptBuilder):
                     text += decoder.decode(t.token_to_piece(token))
                 hit, matched = min(((i, s) for s in stop for i in (text.find(s),) if i >= 0), default=(-1, ""))
                 if hit >= 0:
-                    rounds.finish(gen, "stop", force=True)
-                    gen.stats.stop_sequence = matched
+                    if not (gen.finished and gen.cancel.is_set()):  # "cancelled" was said: it stays
+                        rounds.finish(gen, "stop", force=True)
+                        gen.stats.stop_sequence = matched
                     yield StreamEvent(text[:hit], token, from_draft)
                     text = ""
                     break

@@ -1,6 +1,5 @@
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -72,15 +71,8 @@ def smol() -> Path:
 @pytest.fixture(scope="session")
 def smol_draft(smol) -> Path:
     """SmolLM2 cut to its first 24 of 30 blocks: same tokenizer, different predictions."""
-    from edgespec.registry import cache_dir
-    dst = cache_dir() / "models" / "SmolLM2-135M-Instruct.first24.gguf"
-    if not dst.exists():
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        part = dst.with_name(f"{dst.name}.{os.getpid()}.part")  # test workers may write it at once
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "truncate_gguf.py"), str(smol), str(part),
-                        "--blocks", "24"], check=True, stdout=subprocess.DEVNULL)
-        os.replace(part, dst)
-    return dst
+    from edgespec.bench.hostcost import truncated
+    return truncated(smol, 24)
 
 
 @pytest.fixture(scope="session")

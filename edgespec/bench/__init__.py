@@ -27,6 +27,7 @@ and their ratio; and the wall time of a short request (--max-tokens / 8) sent be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -64,6 +65,7 @@ class Options:
     peer: Optional[str] = None               # "llama-server": the peer benchmark (bench/llama_server.py)
     llama_server: Optional[str] = None       # its binary (None: found or built)
     agent_session: Optional[str] = None      # --kinds agent: the `serve --record` file (None: the packaged one)
+    sampling: SamplingParams = SamplingParams()  # the decode modes' law (T > 0: answers are not compared)
 
     @property
     def structured(self) -> bool:
@@ -155,6 +157,12 @@ def add_arguments(p) -> None:
     p.add_argument("--agent-session", default=None, metavar="FILE",
                    help=f"with --kinds {AGENT}: the session to replay, as `serve --record FILE` wrote it "
                    "(default: the one shipped in workloads/agent-session.jsonl)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, metavar="T",
+                   help="sample every mode at T (default 0: greedy, each answer compared with plain decoding's; "
+                   "at T > 0 trial t of every mode uses seed t, and answers differ by design)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="with --temperature: top-k (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="with --temperature: top-p (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P", help="with --temperature: min-p (0 = off)")
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="with --peer: the llama-server binary (default $LLAMA_SERVER, else built once from the "
                    "llama.cpp that llama-cpp-python vendors, ~12 minutes on 2 cores)")
@@ -181,7 +189,9 @@ def options_from_args(args) -> Options:
                    acceptance=args.acceptance, out=args.out,
                    parallel_requests=getattr(args, "parallel_requests", None), peer=getattr(args, "peer", None),
                    llama_server=getattr(args, "llama_server", None),
-                   agent_session=getattr(args, "agent_session", None)).validate()
+                   agent_session=getattr(args, "agent_session", None),
+                   sampling=SamplingParams(getattr(args, "temperature", 0.0), getattr(args, "top_k", 0),
+                                           getattr(args, "top_p", 1.0), getattr(args, "min_p", 0.0))).validate()
 
 
 def _structured_modes() -> tuple[str, ...]:
@@ -194,16 +204,17 @@ def _run(engine, prompt_tokens, n, params, seed=None):
     # values (and so, at near-ties, which token greedy decoding picks), and trials of one
     # prompt must not learn from each other
     engine.reset()
-    r = engine.generate(prompt_tokens, max_tokens=n, temperature=params.temperature, seed=seed)
+    r = engine.generate(prompt_tokens, max_tokens=n, temperature=params.temperature, top_k=params.top_k,
+                        top_p=params.top_p, min_p=params.min_p, seed=seed)
     return r.tokens, r.stats
 
 
-def _timed_run(runner, prompt_tokens, n, params):
+def _timed_run(runner, prompt_tokens, n, params, seed=None):
     """(tokens, decode tokens/s, stats or None) for an edgespec engine or the lookup peer."""
     if isinstance(runner, LookupPeer):
         out, speed = runner.run(prompt_tokens, n)
         return out, speed, None
-    out, st = _run(runner, prompt_tokens, n, params)
+    out, st = _run(runner, prompt_tokens, n, params, seed=seed)
     return out, st.tokens_per_second, st
 
 
@@ -231,14 +242,16 @@ def _engines(main, modes, sweep, gamma):
     return out
 
 
-def _compare(row, results, ref):
-    """Each mode's output against plain decoding's, and its drafting figures."""
+def _compare(row, results, ref, greedy: bool = True):
+    """Each mode's output against plain decoding's (at T = 0), and its drafting figures."""
     for name, (out, speed, st) in results.items():
         if name == "plain":
             continue
         parted = next((j for j, (a, c) in enumerate(zip(out, ref)) if a != c),
                       None if len(out) == len(ref) else min(len(out), len(ref)))
-        m = row["modes"][name] = dict(identical=parted is None, first_divergence=parted, generated=len(out))
+        # at T > 0 the modes draw from the generator in other orders: the same law, other answers
+        m = row["modes"][name] = dict(identical=parted is None if greedy else True,
+                                      first_divergence=parted if greedy else None, generated=len(out))
         if st is not None:
             m.update(drafted=st.drafted, accepted=st.accepted, acceptance=st.acceptance_rate,
                      by_drafter=st.by_drafter, accept_histogram=st.accept_histogram,
@@ -302,11 +315,14 @@ def main(settings, opts: Options, progress=None) -> int:
         report = {"target": str(spec.target.path), "draft": str(model.backend.path) if model else None,
                   "gamma": settings.gamma, "threads": spec.target.threads, "bench_tokens": opts.bench_tokens,
                   "trials": opts.trials, "calibration": list(policy.costs.verify) if policy else None,
+                  "sampling": dataclasses.asdict(opts.sampling),
                   "rows": rows, "by_kind": summarize(rows)}
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    print(format_table(report["by_kind"]))
+    sp = opts.sampling
+    print(format_table(report["by_kind"], "" if sp.greedy else
+                       f"T={sp.temperature:g} top-k {sp.top_k} top-p {sp.top_p:g} min-p {sp.min_p:g}"))
     print(f"\nJSON: {out}")
     png = plot(report, out.with_suffix(".png"))
     if png:
@@ -316,11 +332,15 @@ def main(settings, opts: Options, progress=None) -> int:
 
 def _measure(spec, plain, engines, peer, items, opts) -> list[dict]:
     greedy = SamplingParams(0.0)
+    params = opts.sampling
     policy = getattr(spec.drafter, "policy", None)
     prompts = [spec.chat_tokens([{"role": "user", "content": it["prompt"]}]) for it in items]
     runners = [("plain", plain), *engines.items()] + ([("lookup-peer", peer)] if peer else [])
     for _, eng in runners:  # warm-up: page in, build kernels
         _timed_run(eng, prompts[0], 8, greedy)
+    if not params.greedy:
+        print(f"sampling at T = {params.temperature} (top-k {params.top_k}, top-p {params.top_p}, min-p "
+              f"{params.min_p}): trial t of every mode with seed t; answers are not compared", file=sys.stderr)
     rows = []
     t_start = time.perf_counter()
     for i, (it, ptoks) in enumerate(zip(items, prompts), 1):
@@ -329,14 +349,14 @@ def _measure(spec, plain, engines, peer, items, opts) -> list[dict]:
         for t in range(opts.trials):
             # rotate the order every trial, so that no mode always runs first or last
             k = t % len(runners)
-            results = {name: _timed_run(eng, ptoks, opts.bench_tokens, greedy)
+            results = {name: _timed_run(eng, ptoks, opts.bench_tokens, params, seed=t)
                        for name, eng in runners[k:] + runners[:k]}
             ref = results["plain"][0]
-            if t == 0 and policy is not None:  # greedy from nothing: the same ref every trial
+            if t == 0 and policy is not None and params.greedy:  # greedy from nothing: the same ref every trial
                 row["ngram_ceiling"] = copy_ceiling(policy.costs, ptoks, ref)
             for name, (_, speed, _) in results.items():
                 tps[name].append(speed)
-            _compare(row, results, ref)
+            _compare(row, results, ref, params.greedy)
         _ratios(row, tps)
         if opts.acceptance and getattr(spec.drafter, "model", None) is not None:
             row.update(_acceptance(spec, ptoks, opts.bench_tokens, 4, seed=i))

@@ -88,7 +88,7 @@ SETTINGS = {
 # -- recorded rows ----------------------------------------------------------------------------------
 def _paths(vocab: Vocab) -> tuple[Path, Path]:
     from ..hub import local_path
-    from ..registry import cache_dir, load_registry
+    from ..registry import load_registry
     pair = load_registry().get(vocab.pair)
     target = local_path(pair.target)
     if target is None:
@@ -99,14 +99,23 @@ def _paths(vocab: Vocab) -> tuple[Path, Path]:
         if draft is None:
             raise UsageError(f"the draft of {vocab.pair} is not downloaded: run `python -m edgespec pull {vocab.pair}`")
         return target, draft
-    draft = cache_dir() / "models" / f"{target.stem}.first{vocab.blocks}.gguf"
+    return target, truncated(target, vocab.blocks)
+
+
+def truncated(target: Path, blocks: int) -> Path:
+    """A copy of `target` that keeps its first `blocks` blocks (scripts/truncate_gguf.py: the same
+    tokenizer, other predictions), made once in the model cache (the test suite's draft too)."""
+    from ..registry import cache_dir
+    stem = target.stem.split(".Q")[0]  # SmolLM2-135M-Instruct.Q4_1 -> SmolLM2-135M-Instruct
+    draft = cache_dir() / "models" / f"{stem}.first{blocks}.gguf"
     if not draft.exists():
-        part = draft.with_name(f"{draft.name}.{os.getpid()}.part")
+        draft.parent.mkdir(parents=True, exist_ok=True)
+        part = draft.with_name(f"{draft.name}.{os.getpid()}.part")  # test workers may write it at once
         script = Path(__file__).resolve().parents[2] / "scripts" / "truncate_gguf.py"
-        subprocess.run([sys.executable, str(script), str(target), str(part), "--blocks", str(vocab.blocks)],
+        subprocess.run([sys.executable, str(script), str(target), str(part), "--blocks", str(blocks)],
                        check=True, stdout=subprocess.DEVNULL)
         os.replace(part, draft)
-    return target, draft
+    return draft
 
 
 def recorded(vocab: Vocab, progress: Optional[Callable[[str], None]] = None, structured: bool = False) -> dict:
@@ -123,9 +132,11 @@ def recorded(vocab: Vocab, progress: Optional[Callable[[str], None]] = None, str
         if progress:
             progress(f"recording logits rows of {target_path.name} and {draft_path.name}"
                      f"{' under a JSON schema' if structured else ''} (once)")
+        from ..engine import Engine
         target = LlamaBackend(target_path, n_ctx=1024)
         try:
-            tokens = target.tokenize(PEOPLE_PROMPT if structured else PROMPT)
+            # through the chat template: an instruct model answers at length (a raw prompt may end at once)
+            tokens = Engine(target).chat_tokens([{"role": "user", "content": PEOPLE_PROMPT if structured else PROMPT}])
             prompt_len = len(tokens)
             guide = None
             if structured:
@@ -138,9 +149,8 @@ def recorded(vocab: Vocab, progress: Optional[Callable[[str], None]] = None, str
                     if target.is_eog(nxt):
                         break
                     guide.advance([nxt])
-                else:
-                    order = np.argsort(-rows[-1])
-                    nxt = next(int(t) for t in order if not target.is_eog(int(t)))  # the answer never ends
+                else:  # the argmax, an end of generation too: the simulation never ends, its rows are real
+                    nxt = greedy_token(rows[-1])
                 tokens.append(nxt)
                 rows.append(target.eval([nxt], [0])[0])
         finally:
@@ -192,6 +202,7 @@ class SimBackend:
         self._held: list[list[int]] = [[] for _ in range(n_seq)]
         self.busy = 0.0
         self.passes = 0
+        self.fed: list[int] = []  # tokens fed, per pass
         self._lock = threading.Lock()
 
     # the tokenizer's calls go to the real model's vocabulary
@@ -257,6 +268,7 @@ class SimBackend:
         with self._lock:
             self.busy += t
             self.passes += 1
+            self.fed.append(fed)
         for seq, tokens, _ in parts:
             self._held[seq].extend(int(t) for t in tokens)
         return outs

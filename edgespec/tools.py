@@ -260,6 +260,76 @@ def _json_lark(schema: dict, lenient: bool = False) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": style})
 
 
+# A call written without the template's markup, as Qwen2.5-Coder writes one it is not forced to
+# make: once the answer has written its opening, the rest is constrained to one call of an offered
+# function and the answer ends with it (a *lazy* grammar, as llama.cpp's server has for this
+# model). The openings, as regexes that llguidance (Rust) and Python read alike:
+# - LAZY_BARE: the answer opens with a JSON object whose first key is "name";
+# - LAZY_FENCED: the same object in a ```json (or bare ```) block, opening the answer or at the
+#   start of a later line (after a preamble: "I'll run this:"). Blocks in other languages never
+#   open a call (a Python dict `{"name": ...}` stays code); a JSON block in prose whose first key
+#   is "name" does (docs/structured-output.md#tools).
+_WS = r"[ \t\r\n]*"
+_HEAD_KEY = r'\{' + _WS + r'"name"' + _WS + ":" + _WS + '"'
+LAZY_BARE = _WS + _HEAD_KEY
+LAZY_FENCED = r"([ \t\r\n]*|(?s:.*\n)[ \t]*)```(json)?[ \t]*\n" + _WS + _HEAD_KEY
+# Python's view of the same openings: where the call starts (the fence or the brace), first match
+_OPENS = re.compile(_WS + r"(?:```(?:json)?[ \t]*\n" + _WS + r")?(?=" + _HEAD_KEY + ")")
+_OPENS_LATER = re.compile(r"\n[ \t]*```(?:json)?[ \t]*\n" + _WS + "(?=" + _HEAD_KEY + ")")
+
+
+# After the opening the model keeps its own layout (a call opened over lines goes on over lines:
+# held to one line, Qwen2.5-Coder ran a number on for a hundred digits where it meant to break the
+# line), with at most a line break and indentation between tokens.
+LAZY_SPACE = r"[ \t]*(\r?\n[ \t]*)?"
+_LAZY_RULES = (f"fenced: fenced_head lazy_fn /{LAZY_SPACE}```/\nfenced_head[lazy]: /{LAZY_FENCED}/\n"
+               f"bare: bare_head lazy_fn\nbare_head[lazy]: /{LAZY_BARE}/\n")
+
+
+def _lazy_rules(spec: ToolSpec) -> str:
+    """_LAZY_RULES and `lazy_fn`: what follows `{"name": "` in a call opened without markup, laid
+    out as the model likes (LAZY_SPACE)."""
+    options, rules = [], []
+    for i, t in enumerate(spec.callable_tools()):
+        options.append(f'"{t.name}\\"" /{LAZY_SPACE},{LAZY_SPACE}"arguments"{LAZY_SPACE}:{LAZY_SPACE}/ '
+                       f"lazy_args{i} /{LAZY_SPACE}\\}}/")
+        style = {"whitespace_flexible": True, "whitespace_pattern": LAZY_SPACE}
+        if t.enforced == "lenient":
+            style["lenient"] = True
+        rules.append(f"lazy_args{i}: %json " + json.dumps({**t.grammar_parameters(), "x-guidance": style}))
+    return _LAZY_RULES + "lazy_fn: " + " | ".join(options) + "\n" + "\n".join(rules) + "\n"
+
+
+def lazy_call_grammar(spec: ToolSpec) -> str:
+    """Free text, or one call of `spec`'s functions opened without markup (LAZY_*): Hermes' `auto`
+    grammar without its <tool_call> branch, for a vocabulary that has no such token."""
+    return "start: TEXT | fenced | bare\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec)
+
+
+def _lazy_call(text: str, spec: ToolSpec) -> Optional[tuple[str, list[ToolCall]]]:
+    """(text before it, [the call]) for an answer that opened a call without markup (LAZY_*), with
+    no call when it was cut off; None when no such call was opened, or it names no offered tool
+    (only a grammar-free answer can do that)."""
+    m = _OPENS.match(text)
+    if m is not None:
+        at, brace = 0, m.end()
+    else:
+        later = _OPENS_LATER.search(text)
+        if later is None:
+            return None
+        at, brace = later.start(), later.end()
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(text, brace)
+    except (json.JSONDecodeError, RecursionError):
+        # cut off (length, a stop string): the call is lost, and none of its text is content
+        return text[:at].rstrip(), []
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments", {}), dict)
+            and obj["name"] in {t.name for t in spec.tools}):
+        return None
+    # not held by the grammar in every answer this parses (ToolSpec.check looks at it)
+    return text[:at].rstrip(), [ToolCall(new_call_id(), obj["name"], obj.get("arguments", {}), free=True)]
+
+
 # -- formats ----------------------------------------------------------------------------------
 class Format:
     name = "generic"
@@ -315,8 +385,8 @@ class Hermes(Format):
         calls = 'tc ("\\n" tc)*' if spec.parallel and spec.choice != "function" else "tc"
         if spec.choice in ("required", "function"):
             return f"start: {calls}\n" + call
-        if spec.choice == "auto":  # free text, or calls once the model opens one
-            return f"start: TEXT | TEXT? {calls}\nTEXT: /(?s:.+)/\n" + call
+        if spec.choice == "auto":  # free text, or calls once the model opens one, with markup or not
+            return f"start: TEXT | TEXT? {calls} | fenced | bare\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec) + call
         return None
 
     def render_messages(self, messages, spec):
@@ -326,9 +396,12 @@ class Hermes(Format):
         calls = [c for c in map(_call, self.CALL.findall(text)) if c is not None]
         if calls:
             return self.CALL.sub("", text).strip(), calls
-        # a call written without its markup, the whole answer (small models do that): only when it
-        # names one of the request's functions
         if spec is not None and spec.choice != "none":
+            found = _lazy_call(text, spec)  # opened without markup: constrained from there (LAZY_*)
+            if found is not None:
+                return found
+            # the whole answer a call in another layout ("arguments" first): only when it names
+            # one of the request's functions
             fenced = FENCED.fullmatch(text.strip())
             bare = _call(fenced.group(1) if fenced else text.strip())
             if bare is not None and bare.name in {t.name for t in spec.tools}:
@@ -352,6 +425,35 @@ def _opens_bare(head: str) -> Optional[bool]:
         return None
     body = rest[4:] if rest.startswith("json") else rest
     return body.lstrip().startswith("{")
+
+
+# LAZY_FENCED's later opening, step by step: (characters any number of times, or a literal, optional?)
+_FENCE_STEPS = ((" \t", None, False), (None, "```", False), (None, "json", True), (" \t", None, False),
+                (None, "\n", False), (" \t\r\n", None, False), (None, "{", False), (" \t\r\n", None, False),
+                (None, '"name"', False), (" \t\r\n", None, False), (None, ":", False), (" \t\r\n", None, False),
+                (None, '"', False))
+
+
+def _fence_opens(line: str) -> Optional[bool]:
+    """Whether text from the start of a line opens a fenced call (LAZY_FENCED's later form): True,
+    False, or None while it still may (it ends inside the opening: "```", "```json\\n{")."""
+    i = 0
+    for chars, lit, optional in _FENCE_STEPS:
+        if chars is not None:
+            while i < len(line) and line[i] in chars:
+                i += 1
+        else:
+            if i == len(line):
+                return None
+            if optional and line[i] != lit[0]:
+                continue
+            got = line[i:i + len(lit)]
+            if got != lit[:len(got)]:
+                return False
+            if len(got) < len(lit):
+                return None
+            i += len(lit)
+    return True
 
 
 def _call(raw: str) -> Optional[ToolCall]:
@@ -559,6 +661,7 @@ class StreamParser:
     inside: bool = False
     opened: int = 0      # where the last call marker began
     bare: Optional[bool] = None  # the answer opens with "{" (a call without markup); None: nothing written yet
+    lazy: Optional[int] = None   # where a fenced call opened later in the answer (LAZY_FENCED) begins
 
     def feed(self, piece: str) -> str:
         self.text += piece
@@ -581,7 +684,7 @@ class StreamParser:
                 self.bare = _opens_bare(self.text.lstrip())
                 if self.bare is None:
                     return "".join(out)  # "```" or "```js": not known yet
-            if self.spec is not None and self.bare:
+            if self.spec is not None and (self.bare or self.lazy is not None):
                 return "".join(out)  # may be a call written without its markup: known at the end
             # hold back a tail that could be the start of the marker
             safe = len(self.text)
@@ -589,9 +692,31 @@ class StreamParser:
                 if Hermes.OPEN.startswith(self.text[-k:]):
                     safe = len(self.text) - k
                     break
+            if self.spec is not None and self.spec.choice != "none":
+                # ... or of a fenced call later in the answer (LAZY_FENCED): from the first line that
+                # opens a fence, until the line after it shows whether a call opens there
+                for start in self._line_starts():
+                    state = _fence_opens(self.text[start:])
+                    if state is not False:
+                        hold = start  # with the blank lines before it, which a call's content drops
+                        while hold > self.shown and self.text[hold - 1] in " \t\r\n":
+                            hold -= 1
+                        safe = min(safe, hold)
+                        if state is True:  # the rest of the answer is the call
+                            self.lazy = start
+                        break
             out.append(self.text[self.shown:safe])
             self.shown = safe
             return "".join(out)
+
+    def _line_starts(self):
+        """Where each line of the unshown text begins."""
+        at = self.shown
+        if at == 0 or self.text[at - 1] == "\n":
+            yield at
+        while (nl := self.text.find("\n", at)) >= 0:
+            at = nl + 1
+            yield at
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet shown, the calls, checked: ToolSpec.check)."""
@@ -602,8 +727,11 @@ class StreamParser:
         content, calls = self.fmt.parse(self.text, self.spec)
         if not isinstance(self.fmt, Hermes):
             return content, calls
-        if calls and Hermes.OPEN not in self.text:  # a bare call (no markup), held back whole
-            return "", calls
+        if Hermes.OPEN not in self.text and (self.lazy is not None or (self.bare and self.spec is not None)):
+            # a call without markup, held back (cut off: none); what came before it is content
+            rest = content[self.shown:]  # content is a prefix of the text here
+            self.shown = len(self.text)
+            return rest, calls
         if self.inside and not calls:
             after = self.text[self.opened + len(Hermes.OPEN):]
             # a call cut off (by the length limit, a stop string, a cancel) is no content, its markup

@@ -499,12 +499,15 @@ class Engine(PromptBuilder):
 
     def _wanted(self) -> bool:
         """Whether a turn of the loop is wanted: a running generation has no committed token left to
-        read, or was cancelled (its place is given back). A stream nobody reads stops there while it
-        runs alone; beside others it takes part in their rounds (its queue grows up to its
-        max_tokens, as before the loop)."""
+        read, or its reader waits for tokens (the round it waits for has just committed them: the next
+        round runs while it reads them, instead of after a wake-up of this thread by the reader, one a
+        round; at most a round beyond the reader), or was cancelled (its place is given back). A
+        stream nobody reads stops there while it runs alone; beside others it takes part in their
+        rounds (its queue grows up to its max_tokens, as before the loop)."""
         with self._admission:
             return any(a.generation is not None and not a.generation.finished
-                       and (not a.generation.out or a.generation.cancel.is_set()) for a in self._active)
+                       and (not a.generation.out or a.generation.reading or a.generation.cancel.is_set())
+                       for a in self._active)
 
     def _loop(self) -> None:
         """One turn of the engine's loop, on the llama.cpp thread: a round for every admitted
@@ -589,9 +592,13 @@ class Engine(PromptBuilder):
                 return
             else:
                 self._check_open()  # closed while this waited: the models are gone
-                self._kick()
-                with self._round_done:  # with a timeout: an interrupt is seen where no signal wakes the wait
-                    self._round_done.wait_for(lambda: gen.out or gen.finished or self._closed, timeout=0.25)
+                gen.reading = True  # set before the kick: the round that answers it goes on to the next
+                try:
+                    self._kick()
+                    with self._round_done:  # with a timeout: an interrupt is seen where no signal wakes the wait
+                        self._round_done.wait_for(lambda: gen.out or gen.finished or self._closed, timeout=0.25)
+                finally:
+                    gen.reading = False
 
     def _events(self, gen: Generation, ticket: _Ticket) -> Iterator[StreamEvent]:
         """Token ids -> events with printable text, each as soon as it is committed; then one
@@ -599,8 +606,10 @@ class Engine(PromptBuilder):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text = ""        # decoded, not yet emitted
         stop = gen.request.stop
+        read = 0
         try:
             for token, from_draft in self._tokens(gen):
+                read += 1
                 with self._reading() as t:  # close() waits for it
                     text += decoder.decode(t.token_to_piece(token))
                 hit, matched = min(((i, s) for s in stop for i in (text.find(s),) if i >= 0), default=(-1, ""))
@@ -608,6 +617,9 @@ class Engine(PromptBuilder):
                     if not (gen.finished and gen.cancel.is_set()):  # "cancelled" was said: it stays
                         rounds.finish(gen, "stop", force=True)
                         gen.stats.stop_sequence = matched
+                        # the answer is the tokens up to the stop string: those committed after it (a
+                        # round that ran while these were read) are not part of it (rounds._commit)
+                        gen.stats.generated = min(gen.stats.generated, read)
                     yield StreamEvent(text[:hit], token, from_draft)
                     text = ""
                     break

@@ -329,6 +329,8 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
     if g.drafter is not None:
         g.drafter.observe(Round(tokens=g.tokens, draft=inner, accepted=max(0, n - n_forced), **timing._asdict()))
     for i, tok in enumerate(new):
+        if g.finished:  # its reader ended it (a stop string) while this round ran: nothing more is its answer
+            return
         if target.is_eog(tok):
             if guide is not None and not guide.accepting:  # the grammar left nothing else
                 raise ConstraintError(f"the {g.request.constraint.describe()} cannot be "

@@ -37,15 +37,26 @@ __all__ = ["Engine", "Stream", "ChatPrompt", "GenerationStats", "GenerationResul
 # kernels group rows: the prompt's KV comes out as in whole batches). SmolLM2 on 2 cores: a short
 # request beside a 3,000-token prompt took 9.9 s with 512-token pieces, 0.2 s alone.
 PIECE = 64
-# A prompt with more than LONG_PROMPT tokens still to evaluate steps aside for up to YIELD_SECONDS
-# while other generations run, then goes on by pieces beside them: an agent's side request (a
+# A prompt with more than LONG_PROMPT tokens to evaluate (beyond a kept or restored prefix) goes in
+# one canonical piece a turn of the loop, and steps aside while other requests run, whenever they
+# arrive (in the first minute of a 12-minute prefill or in its last): an agent's side request (a
 # title, a check: a few hundred tokens in, a few dozen out) answers in seconds alone rather than in
-# tens of seconds between the pieces of a 20,000-token prompt, which waits about as long as that
-# request's own work either way.
+# tens of seconds between the pieces, and the long prompt waits about as long as that request's own
+# work either way. So that requests that never stop cannot starve it, it steps aside for at most
+# YIELD_SECONDS more than its own pieces have taken, then takes turns with them: at worst it takes
+# twice its time alone, plus YIELD_SECONDS. (Until issue 50 it stepped aside for 20 s in all, and
+# not at all once fewer than LONG_PROMPT tokens were left: a request arriving in the second half of
+# a 4,000-token prompt waited 7-21 s for a piece before each of its rounds.)
 LONG_PROMPT = 2048
 YIELD_SECONDS = 20.0
 
 _rng = np.random.default_rng  # a generation's source of randomness (tests enumerate every draw through it)
+
+
+def _long(g: Generation) -> bool:
+    """Whether `g`'s prompt is long (LONG_PROMPT): by the tokens it has to evaluate, all of them
+    until its first piece says how many its sequence or the prompt cache kept."""
+    return len(g.tokens) - g.stats.reused_prompt_tokens > LONG_PROMPT
 
 
 def _stop_prefix(text: str, stop: tuple[str, ...]) -> int:
@@ -542,42 +553,47 @@ class Engine(PromptBuilder):
 
     def _advance(self) -> None:
         """One round for every admitted generation (under `_work`, on the llama.cpp thread):
-        those that just came in first get their prompt in, then all of them draft and share one
-        verifying pass."""
+        those that just came in first get their prompt in (a long prompt a piece, or none while
+        others run: `_steps_aside`), then all of them draft and share one verifying pass."""
         with self._admission:
             gens = [a.generation for a in self._active if a.generation is not None]
-        # a long prompt goes in by pieces, one an _advance: n_batch tokens (llama.cpp's own cut), so a
-        # request arriving meanwhile joins; PIECE beside running generations, whose rounds wait for it
-        running = any(g.started and not g.finished for g in gens)
-        piece = PIECE if running else self.target.n_batch
+        # a prompt goes in by pieces, one a turn, so that a request arriving meanwhile joins: PIECE
+        # beside running generations, whose rounds wait for it; alone, n_batch tokens (llama.cpp's own
+        # cut), but a long prompt one canonical piece, so that a request arriving waits for one at most
         now = time.perf_counter()
+        running = any(g.started and not g.finished for g in gens)
+        served = [g for g in gens if not g.finished and not g.cancel.is_set() and (g.started or not _long(g))]
+        aside = []
         for g in gens:
-            if not g.started and not g.finished:
-                if running and self._steps_aside(g, now):
-                    continue
-                if not running:
-                    g.yielding_since = None  # it steps aside once a time others run, YIELD_SECONDS at most
-                busy = {o.seq for o in gens if o.seq >= 0 and o is not g}
-                try:
-                    rounds.start(g, self.target, self.sequences, self._lane, busy, piece)
-                except Exception as exc:  # its prompt failed (a damaged model): its own error
-                    g.error, g.finished = exc, True
+            if g.started or g.finished:
+                continue
+            if _long(g) and self._steps_aside(g, served):
+                aside.append(g)
+                continue
+            piece = PIECE if running else self.sequences.piece if _long(g) else self.target.n_batch
+            busy = {o.seq for o in gens if o.seq >= 0 and o is not g}
+            t0 = time.perf_counter()
+            try:
+                rounds.start(g, self.target, self.sequences, self._lane, busy, piece)
+            except Exception as exc:  # its prompt failed (a damaged model): its own error
+                g.error, g.finished = exc, True
+            g.piece_seconds += time.perf_counter() - t0
         try:
             rounds.step(self.target, [g for g in gens if g.started], self.n_vocab, self.exact_shared)
         finally:
+            spent = time.perf_counter() - now
+            for g in aside:
+                g.aside_seconds += spent
             with self._round_done:
                 self._round_done.notify_all()
 
-    def _steps_aside(self, g: Generation, now: float) -> bool:
-        """Whether prompt `g`, which others' rounds would wait for, skips this round (LONG_PROMPT)."""
-        if g.cancel.is_set():
+    @staticmethod
+    def _steps_aside(g: Generation, served: list) -> bool:
+        """Whether long prompt `g` skips this turn: other requests run (or a prompt that is not long
+        waits), and `g` has stepped aside for no longer than its own pieces took, plus YIELD_SECONDS."""
+        if g.cancel.is_set() or not any(o is not g for o in served):
             return False
-        done = min(self.sequences.canon.get(g.seq, 0), len(self.target.held(g.seq))) if g.seq >= 0 else 0
-        if len(g.tokens) - done <= LONG_PROMPT:
-            return False
-        if g.yielding_since is None:
-            g.yielding_since = now
-        return now - g.yielding_since < YIELD_SECONDS
+        return g.aside_seconds < YIELD_SECONDS + g.piece_seconds
 
     def _tokens(self, gen: Generation) -> Iterator[tuple[int, bool]]:
         """The generation's committed tokens, as the loop commits them."""

@@ -114,7 +114,8 @@ class Generation:
     finished: bool = False
     error: Optional[BaseException] = None      # raised to its stream once the tokens before it are out
     emitted_all: bool = True        # every committed token was handed out (none cut by max_tokens)
-    yielding_since: Optional[float] = None     # a long prompt stepping aside for running generations
+    aside_seconds: float = 0.0      # a long prompt: the turns it stepped aside for other requests
+    piece_seconds: float = 0.0      # the turns its prompt's pieces took
 
     @property
     def room(self) -> int:

@@ -633,9 +633,9 @@ class Engine(PromptBuilder):
                     if not (gen.finished and gen.cancel.is_set()):  # "cancelled" was said: it stays
                         rounds.finish(gen, "stop", force=True)
                         gen.stats.stop_sequence = matched
-                        # the answer is the tokens up to the stop string: those committed after it (a
-                        # round that ran while these were read) are not part of it (rounds._commit)
-                        gen.stats.generated = min(gen.stats.generated, read)
+                    # the answer is the tokens up to the stop string: those committed after it (a
+                    # round that ran while these were read) are not part of it (rounds._commit)
+                    gen.stats.generated = min(gen.stats.generated, read)
                     yield StreamEvent(text[:hit], token, from_draft)
                     text = ""
                     break

@@ -308,10 +308,11 @@ def pair_peak(target_path, draft_path=None, settings: Optional[Settings] = None)
 def budget_words(result: dict) -> str:
     """'1.80 GiB (2.00 GiB less 0.20 GiB for the prompt cache, --cache-ram)': plan_for's figure
     as `plan` and `run` both say it."""
+    from .memory import size_words
     fit, cache = result["fit_bytes"], result["cache_bytes"]
     if not cache:
-        return f"{fit / 2**30:.2f} GiB"
-    return (f"{fit / 2**30:.2f} GiB ({result['budget_bytes'] / 2**30:.2f} GiB less {cache / 2**30:.2f} GiB "
+        return size_words(fit)
+    return (f"{size_words(fit)} ({size_words(result['budget_bytes'])} less {size_words(cache)} "
             "kept for the prompt cache, --cache-ram)")
 
 

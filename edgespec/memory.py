@@ -529,14 +529,15 @@ def explain(result: dict, target_info, draft_info=None, *, n_ctx: int, drafter: 
     wanted = wanted_drafters(drafter, draft_info)[0]
     n_seq = result.get("parallel", 1)
     source = "--memory-budget" if budget_given else "the RAM available now"
+    # the budget in the unit that shows it (1 KiB, 312.3 MiB: never "0.00 GiB"), as `run` says it
     if "cache_bytes" not in result:
-        lines = [f"Budget: {_gib(budget)} ({source})."]
+        lines = [f"Budget: {size_words(budget)} ({source})."]
     elif result["cache_bytes"]:
-        lines = [f"Budget: {_gib(result['budget_bytes'])} ({source}), less {_gib(result['cache_bytes'])} kept for "
-                 f"the prompt cache (--cache-ram SIZE changes it, --cache-ram 0 turns it off): {_gib(budget)} "
-                 "for the models."]
+        lines = [f"Budget: {size_words(result['budget_bytes'])} ({source}), less {size_words(result['cache_bytes'])} "
+                 f"kept for the prompt cache (--cache-ram SIZE changes it, --cache-ram 0 turns it off): "
+                 f"{size_words(budget)} for the models."]
     else:
-        lines = [f"Budget: {_gib(budget)} ({source}), none of it kept for a prompt cache (--cache-ram 0)."]
+        lines = [f"Budget: {size_words(budget)} ({source}), none of it kept for a prompt cache (--cache-ram 0)."]
     with_what = {"model": f"the draft model {draft_info.path.name}" if draft_info is not None else "a draft model",
                  "ngram": "n-gram drafting", "none": "no drafter"}[wanted]
     lines.append(f"Wanted: {target_info.path.name} with {with_what} at n_ctx {n_ctx}, flash attention {flash_attn}, "

@@ -220,8 +220,10 @@ def _needs(smol, smol_draft, capsys) -> dict:
 
 
 def _fit(budget: int) -> str:
-    """The figure both verbs print: the budget less its default prompt-cache share (a tenth)."""
-    return f"{(budget - budget // 10) / 2**30:.2f} GiB"
+    """The figure both verbs print: the budget less its default prompt-cache share (a tenth), in the
+    unit that shows it (memory.size_words: 277.3 MiB, not 0.27 GiB)."""
+    from edgespec.memory import size_words
+    return size_words(budget - budget // 10)
 
 
 def test_plan_run_and_the_library_drop_the_draft_model_at_the_same_budget(smol, smol_draft, capsys, no_load):

@@ -53,3 +53,15 @@ def test_serve_checks_cache_dir_at_start(smol, tmp_path, capsys):
     afile.write_text("")
     assert main(["serve", "--target", str(smol), "--cache-dir", str(afile / "cache"), "--port", "0"]) == 2
     assert f"--cache-dir {afile / 'cache'}: cannot write there" in _one_line(capsys)
+
+
+def test_run_with_a_tiny_budget_says_it_in_a_unit_that_shows_it(smol, capsys):
+    """`run --memory-budget 1KiB` refuses in one line, and says the budget as 1 KiB-ish, not 0.00 GiB."""
+    from edgespec.cli import main
+    try:
+        code = main(["run", "--target", str(smol), "--memory-budget", "1KiB", "-p", "hi"])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "0.00 GiB" not in err and "KiB" in err, err

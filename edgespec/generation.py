@@ -104,7 +104,6 @@ class Generation:
     drafter: object = None          # this sequence's drafter lane (None: plain decoding)
     cancel: threading.Event = field(default_factory=threading.Event)
     out: deque = field(default_factory=deque)  # committed (token, from_draft) its stream has not taken
-    reading: bool = False  # its stream waits for tokens: the next round may run while it reads these
     restored: Optional[bool] = None  # its prompt's prefix came back from the prompt cache (None: no sequence
                                      # yet, or its first piece is in and the stats say it)
     carry: Optional[np.ndarray] = None         # the prompt's last row, for the first round (rounds._feed)

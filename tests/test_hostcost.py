@@ -5,16 +5,8 @@ import json
 import pytest
 
 from edgespec.bench import hostcost
-from edgespec.cli import main
 
-
-def run_cli(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:  # argparse
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from test_cli import run_cli
 
 
 @pytest.fixture(scope="module")

@@ -216,8 +216,8 @@ def test_cache_ram_is_the_same_flag_on_every_verb_and_plan_says_it(smol, capsys)
     code, out, _ = run_cli(["plan", "--target", str(smol), "--memory-budget", "1GiB", "--cache-ram", "256MiB"],
                            capsys)
     assert code == 0
-    assert out.startswith("Budget: 1.00 GiB (--memory-budget), less 0.25 GiB kept for the prompt cache "
-                          "(--cache-ram SIZE changes it, --cache-ram 0 turns it off): 0.75 GiB for the models.")
+    assert out.startswith("Budget: 1.00 GiB (--memory-budget), less 256 MiB kept for the prompt cache "
+                          "(--cache-ram SIZE changes it, --cache-ram 0 turns it off): 768 MiB for the models.")
     code, out, _ = run_cli(["plan", "--target", str(smol), "--memory-budget", "1GiB", "--json"], capsys)
     res = json.loads(out)  # the default share, a tenth, is said too
     assert (res["budget_bytes"], res["cache_bytes"], res["fit_bytes"]) == (2**30, 2**30 // 10, 2**30 - 2**30 // 10)

@@ -70,8 +70,9 @@ def test_the_draft_models_cache_comes_back_with_the_targets(smol, smol_draft, mo
         slot, n = eng.cache.best(prompt)
         assert slot is not None and slot.draft is not None and n > 100
         fed = []
-        real = draft.eval
-        monkeypatch.setattr(draft, "eval", lambda tokens, rows: fed.append(len(tokens)) or real(tokens, rows))
+        real = draft.eval_batch  # every pass of the draft model (a catch-up, a draft step) goes through it
+        monkeypatch.setattr(draft, "eval_batch", lambda parts, **kw: fed.append(sum(len(t) for _, t, _ in parts))
+                            or real(parts, **kw))
         r = eng.chat(conv, max_tokens=6)
         restored = r.stats.restored_prompt_tokens
         assert PIECE <= restored <= n and restored % PIECE == 0  # the earlier prompt's whole pieces

@@ -361,3 +361,26 @@ def test_a_verifier_that_leaves_the_bonus_row_unmasked_misses_the_lazy_law(lazy_
     engine = Engine(_Vocab(TARGET, eos=EOS, vocab_bytes=VOCAB), ModelDrafter(_Vocab(DRAFT, eos=EOS), V, gamma=1))
     got = _engine_law(engine, grammar, monkeypatch)
     assert got.get(("ILLEGAL",), 0.0) > 0.01  # it names z after the opening
+
+
+# -- the default pair ------------------------------------------------------------------------------
+@pytest.mark.qwen
+@pytest.mark.slow
+def test_claude_codes_write_is_called_on_qwen(qwen_pair):
+    """Qwen2.5-Coder-1.5B, offered Claude Code's Write (its recorded definition), writes the call as a
+    ```json block, laid out over lines: a Write call whose input follows Write's schema, no content.
+    (The target alone: the format and the law are the target's; the whole recorded request is
+    23,000 tokens, minutes of prefill on this CPU, and is replayed in docs/agents.md's run.)"""
+    write = next(t for t in CLAUDE["tools"] if t["name"] == "Write")
+    tools = [{"type": "function", "function": {"name": "Write", "description": write["description"],
+                                               "parameters": write["input_schema"]}}]
+    ask = [{"role": "system", "content": "You are Claude Code, Anthropic's official CLI for Claude."},
+           {"role": "user", "content": "Create a file hello.txt containing the word hi."}]
+    target, _ = qwen_pair
+    with Engine.load(str(target), drafter="ngram", n_ctx=1024) as eng:
+        r = eng.chat(ask, max_tokens=64, tools=tools)
+        raw = b"".join(eng.target.token_to_piece(t, special=True) for t in r.tokens).decode()
+    assert raw.startswith("```json\n{\n") and "<tool_call>" not in raw  # the lazy opening, not the markup
+    assert r.finish_reason == "tool_calls" and r.text == "" and [c.name for c in r.tool_calls] == ["Write"]
+    jsonschema.validate(r.tool_calls[0].arguments, write["input_schema"])
+    assert r.tool_calls[0].arguments["content"] == "hi"

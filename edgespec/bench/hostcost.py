@@ -445,7 +445,7 @@ def options(args) -> dict:
     parallels = _list(args.host_parallel, "--host-parallel", int)
     if any(not 1 <= p <= 8 for p in parallels):
         raise UsageError(f"--host-parallel takes 1..8 requests at once, got {args.host_parallel}")
-    trials = 5 if args.trials == 1 else args.trials  # as --peer's default of 2: one trial says little
+    trials = 5 if args.trials == 1 else args.trials  # bench's default is 1: as --peer's 2, one trial says little
     tokens = args.bench_tokens if args.bench_tokens is not None else 64
     if trials < 1 or tokens < 1:
         raise UsageError("--trials and --max-tokens must be >= 1")
@@ -460,7 +460,7 @@ def add_arguments(p) -> None:
     g.add_argument("--host-cost", action="store_true",
                    help="instead: edgespec's rounds over recorded logits rows and a simulated device; efficiency = "
                    "device time / wall time, and per row edgespec's law against llama.cpp's sampler chain "
-                   "(--trials defaults to 5, --max-tokens to 64)")
+                   "(--trials defaults to 5 and takes at least 2, --max-tokens defaults to 64)")
     g.add_argument("--device-ms", default="3,0.1", metavar="A,B",
                    help="a simulated target pass costs A + B ms a token fed (default 3,0.1: a 1.5B on a laptop GPU)")
     g.add_argument("--draft-ms", type=float, default=1.0, metavar="MS", help="a simulated draft step (default 1)")

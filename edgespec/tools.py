@@ -264,7 +264,9 @@ def _json_lark(schema: dict, lenient: bool = False) -> str:
 # make: once the answer has written its opening, the rest is constrained to one call of an offered
 # function and the answer ends with it (a *lazy* grammar, as llama.cpp's server has for this
 # model). The openings, as regexes that llguidance (Rust) and Python read alike:
-# - LAZY_BARE: the answer opens with a JSON object whose first key is "name";
+# - LAZY_BARE: the answer opens with a JSON object whose first key is "name", or with one of the
+#   tags of LAZY_TAGS and then that object (`<tools>{"name": ...}</tools>`: llama.cpp's list), or
+#   with it in doubled braces (`{{"name": ...}}}`, a slip of the 1.5B's at T = 1: 3 answers in 12);
 # - LAZY_FENCED: the same object in a ```json (or bare ```) block, opening the answer or at the
 #   start of a later line (after a preamble: "I'll run this:"). Blocks in other languages never
 #   open a call (a Python dict `{"name": ...}` stays code); a JSON block in prose whose first key
@@ -272,9 +274,12 @@ def _json_lark(schema: dict, lenient: bool = False) -> str:
 _WS = r"[ \t\r\n]*"
 _HEAD_KEY = r'\{' + _WS + r'"name"' + _WS + ":" + _WS + '"'
 LAZY_BARE = _WS + _HEAD_KEY
+LAZY_DOUBLED = _WS + r"\{" + LAZY_BARE
+LAZY_TAGS = ("tools", "function_call", "response", "json")
 LAZY_FENCED = r"([ \t\r\n]*|(?s:.*\n)[ \t]*)```(json)?[ \t]*\n" + _WS + _HEAD_KEY
 # Python's view of the same openings: where the call starts (the fence or the brace), first match
-_OPENS = re.compile(_WS + r"(?:```(?:json)?[ \t]*\n" + _WS + r")?(?=" + _HEAD_KEY + ")")
+_OPENS = re.compile(_WS + r"(?:```(?:json)?[ \t]*\n" + _WS + r"|<(?:" + "|".join(LAZY_TAGS) + ")>" + _WS
+                    + r"|\{" + _WS + r")?(?=" + _HEAD_KEY + ")")
 _OPENS_LATER = re.compile(r"\n[ \t]*```(?:json)?[ \t]*\n" + _WS + "(?=" + _HEAD_KEY + ")")
 
 
@@ -283,7 +288,11 @@ _OPENS_LATER = re.compile(r"\n[ \t]*```(?:json)?[ \t]*\n" + _WS + "(?=" + _HEAD_
 # line), with at most a line break and indentation between tokens.
 LAZY_SPACE = r"[ \t]*(\r?\n[ \t]*)?"
 _LAZY_RULES = (f"fenced: fenced_head lazy_fn /{LAZY_SPACE}```/\nfenced_head[lazy]: /{LAZY_FENCED}/\n"
-               f"bare: bare_head lazy_fn\nbare_head[lazy]: /{LAZY_BARE}/\n")
+               f"bare: bare_head lazy_fn\nbare_head[lazy]: /{LAZY_BARE}/\n"
+               f"doubled: doubled_head lazy_fn /{LAZY_SPACE}\\}}/\ndoubled_head[lazy]: /{LAZY_DOUBLED}/\n"
+               + "".join(f"tagged{i}: tagged{i}_head lazy_fn /{LAZY_SPACE}<\\/{tag}>/\n"
+                         f"tagged{i}_head[lazy]: /{_WS}<{tag}>{LAZY_BARE}/\n" for i, tag in enumerate(LAZY_TAGS)))
+_LAZY_START = " | ".join(["fenced", "bare", "doubled"] + [f"tagged{i}" for i in range(len(LAZY_TAGS))])
 
 
 def _lazy_rules(spec: ToolSpec) -> str:
@@ -303,7 +312,7 @@ def _lazy_rules(spec: ToolSpec) -> str:
 def lazy_call_grammar(spec: ToolSpec) -> str:
     """Free text, or one call of `spec`'s functions opened without markup (LAZY_*): Hermes' `auto`
     grammar without its <tool_call> branch, for a vocabulary that has no such token."""
-    return "start: TEXT | fenced | bare\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec)
+    return f"start: TEXT | {_LAZY_START}\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec)
 
 
 def _lazy_call(text: str, spec: ToolSpec) -> Optional[tuple[str, list[ToolCall]]]:
@@ -386,7 +395,7 @@ class Hermes(Format):
         if spec.choice in ("required", "function"):
             return f"start: {calls}\n" + call
         if spec.choice == "auto":  # free text, or calls once the model opens one, with markup or not
-            return f"start: TEXT | TEXT? {calls} | fenced | bare\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec) + call
+            return f"start: TEXT | TEXT? {calls} | {_LAZY_START}\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec) + call
         return None
 
     def render_messages(self, messages, spec):
@@ -414,10 +423,17 @@ FENCED = re.compile(r"```(?:json)?\s*(\{.*\})\s*```", re.S)
 
 
 def _opens_bare(head: str) -> Optional[bool]:
-    """Whether an answer that begins with `head` may be a call without markup: "{" or a fenced JSON
-    block; None while "```" and what follows cannot tell yet."""
+    """Whether an answer that begins with `head` may be a call without markup: "{", a fenced JSON
+    block or a tag of LAZY_TAGS and "{"; None while "```", "<too" and what follows cannot tell yet."""
     if head.startswith("{"):
         return True
+    for tag in LAZY_TAGS:
+        opener = f"<{tag}>"
+        if opener.startswith(head):
+            return None
+        if head.startswith(opener):
+            body = head[len(opener):]
+            return body.lstrip().startswith("{") if body.strip() else None
     if not head.startswith("```"):
         return False
     rest = head[3:]

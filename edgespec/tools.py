@@ -264,23 +264,25 @@ def _json_lark(schema: dict, lenient: bool = False) -> str:
 # make: once the answer has written its opening, the rest is constrained to one call of an offered
 # function and the answer ends with it (a *lazy* grammar, as llama.cpp's server has for this
 # model). The openings, as regexes that llguidance (Rust) and Python read alike:
-# - LAZY_BARE: the answer opens with a JSON object whose first key is "name", or with one of the
-#   tags of LAZY_TAGS and then that object (`<tools>{"name": ...}</tools>`: llama.cpp's list), or
-#   with it in doubled braces (`{{"name": ...}}}`, a slip of the 1.5B's at T = 1: 3 answers in 12);
+# - LAZY_BARE: the answer opens with a JSON object whose first key is "name" (or "function", as the
+#   1.5B also writes) and a string, or with one of the tags of LAZY_TAGS and then that object
+#   (`<tools>{"name": ...}</tools>`: llama.cpp's list);
 # - LAZY_FENCED: the same object in a ```json (or bare ```) block, opening the answer or at the
 #   start of a later line (after a preamble: "I'll run this:"). Blocks in other languages never
 #   open a call (a Python dict `{"name": ...}` stays code); a JSON block in prose whose first key
-#   is "name" does (docs/structured-output.md#tools).
+#   is "name" does (docs/structured-output.md#tools);
+# - LAZY_DOUBLED: the object in doubled braces (`{{"name": ...}}}`), opening the answer or a later
+#   line: a slip of the 1.5B's (3 answers in 12 at T = 1 to one of Codex's requests).
 _WS = r"[ \t\r\n]*"
-_HEAD_KEY = r'\{' + _WS + r'"name"' + _WS + ":" + _WS + '"'
+_HEAD_KEY = r'\{' + _WS + r'"(name|function)"' + _WS + ":" + _WS + '"'
 LAZY_BARE = _WS + _HEAD_KEY
-LAZY_DOUBLED = _WS + r"\{" + LAZY_BARE
+LAZY_DOUBLED = r"([ \t\r\n]*|(?s:.*\n)[ \t]*)\{" + _WS + _HEAD_KEY
 LAZY_TAGS = ("tools", "function_call", "response", "json")
 LAZY_FENCED = r"([ \t\r\n]*|(?s:.*\n)[ \t]*)```(json)?[ \t]*\n" + _WS + _HEAD_KEY
 # Python's view of the same openings: where the call starts (the fence or the brace), first match
 _OPENS = re.compile(_WS + r"(?:```(?:json)?[ \t]*\n" + _WS + r"|<(?:" + "|".join(LAZY_TAGS) + ")>" + _WS
                     + r"|\{" + _WS + r")?(?=" + _HEAD_KEY + ")")
-_OPENS_LATER = re.compile(r"\n[ \t]*```(?:json)?[ \t]*\n" + _WS + "(?=" + _HEAD_KEY + ")")
+_OPENS_LATER = re.compile(r"\n[ \t]*(?:```(?:json)?[ \t]*\n|\{)" + _WS + "(?=" + _HEAD_KEY + ")")
 
 
 # After the opening the model keeps its own layout (a call opened over lines goes on over lines:
@@ -332,11 +334,12 @@ def _lazy_call(text: str, spec: ToolSpec) -> Optional[tuple[str, list[ToolCall]]
     except (json.JSONDecodeError, RecursionError):
         # cut off (length, a stop string): the call is lost, and none of its text is content
         return text[:at].rstrip(), []
-    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments", {}), dict)
-            and obj["name"] in {t.name for t in spec.tools}):
+    name = obj.get("name", obj.get("function")) if isinstance(obj, dict) else None
+    if not (isinstance(name, str) and isinstance(obj.get("arguments", {}), dict)
+            and name in {t.name for t in spec.tools}):
         return None
     # not held by the grammar in every answer this parses (ToolSpec.check looks at it)
-    return text[:at].rstrip(), [ToolCall(new_call_id(), obj["name"], obj.get("arguments", {}), free=True)]
+    return text[:at].rstrip(), [ToolCall(new_call_id(), name, obj.get("arguments", {}), free=True)]
 
 
 # -- formats ----------------------------------------------------------------------------------
@@ -443,32 +446,40 @@ def _opens_bare(head: str) -> Optional[bool]:
     return body.lstrip().startswith("{")
 
 
-# LAZY_FENCED's later opening, step by step: (characters any number of times, or a literal, optional?)
-_FENCE_STEPS = ((" \t", None, False), (None, "```", False), (None, "json", True), (" \t", None, False),
-                (None, "\n", False), (" \t\r\n", None, False), (None, "{", False), (" \t\r\n", None, False),
-                (None, '"name"', False), (" \t\r\n", None, False), (None, ":", False), (" \t\r\n", None, False),
-                (None, '"', False))
+# The later openings (LAZY_FENCED, LAZY_DOUBLED) step by step: characters any number of times, or
+# one of some literals (optional or not)
+_KEY_STEPS = ((" \t\r\n", None, False), (None, ('"name"', '"function"'), False), (" \t\r\n", None, False),
+              (None, (":",), False), (" \t\r\n", None, False), (None, ('"',), False))
+_LATER_STEPS = (
+    ((" \t", None, False), (None, ("```",), False), (None, ("json",), True), (" \t", None, False),
+     (None, ("\n",), False), (" \t\r\n", None, False), (None, ("{",), False)) + _KEY_STEPS,
+    ((" \t", None, False), (None, ("{",), False), (" \t\r\n", None, False), (None, ("{",), False)) + _KEY_STEPS)
 
 
-def _fence_opens(line: str) -> Optional[bool]:
-    """Whether text from the start of a line opens a fenced call (LAZY_FENCED's later form): True,
-    False, or None while it still may (it ends inside the opening: "```", "```json\\n{")."""
+def _later_opens(line: str) -> Optional[bool]:
+    """Whether text from the start of a line opens a call (LAZY_FENCED's or LAZY_DOUBLED's later
+    form): True, False, or None while it still may (it ends inside an opening: "```", "{{")."""
+    states = [_walk(line, steps) for steps in _LATER_STEPS]
+    return True if True in states else None if None in states else False
+
+
+def _walk(line: str, steps) -> Optional[bool]:
     i = 0
-    for chars, lit, optional in _FENCE_STEPS:
+    for chars, lits, optional in steps:
         if chars is not None:
             while i < len(line) and line[i] in chars:
                 i += 1
-        else:
-            if i == len(line):
-                return None
-            if optional and line[i] != lit[0]:
-                continue
-            got = line[i:i + len(lit)]
-            if got != lit[:len(got)]:
-                return False
-            if len(got) < len(lit):
-                return None
-            i += len(lit)
+            continue
+        if i == len(line):
+            return None
+        if optional and not any(line[i] == lit[0] for lit in lits):
+            continue
+        got = [lit for lit in lits if line[i:i + len(lit)] == lit[:len(line) - i]]
+        if not got:
+            return False
+        if not any(line[i:i + len(lit)] == lit for lit in got):
+            return None  # the line ends inside the literal
+        i += len(next(lit for lit in got if line[i:i + len(lit)] == lit))
     return True
 
 
@@ -709,10 +720,10 @@ class StreamParser:
                     safe = len(self.text) - k
                     break
             if self.spec is not None and self.spec.choice != "none":
-                # ... or of a fenced call later in the answer (LAZY_FENCED): from the first line that
-                # opens a fence, until the line after it shows whether a call opens there
+                # ... or of a call opened later in the answer (LAZY_FENCED, LAZY_DOUBLED): from the
+                # first line that may open one, until the text shows whether it does
                 for start in self._line_starts():
-                    state = _fence_opens(self.text[start:])
+                    state = _later_opens(self.text[start:])
                     if state is not False:
                         hold = start  # with the blank lines before it, which a call's content drops
                         while hold > self.shown and self.text[hold - 1] in " \t\r\n":

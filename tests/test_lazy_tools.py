@@ -44,6 +44,12 @@ CLAUDE_SAW = ('I will create the file.\n```json\n{"name": "GenerateCodebaseDocum
               '{"content": "hi", "file_path": "hello.txt"}}\n```')
 CODEX_SAW = ('```json\n{"name": "exec_command", "arguments": {"cmd": "echo hi > hello.txt"}}\n```\n'
              'The output of this command would be: hi')
+# what real Codex 0.171.0 got through `serve` (the default pair, T = 1): a call keyed "function", and
+# a tool definition invented in a tag, then a call in doubled braces on the next line
+CODEX_GOT = ['```json\n{\n  "function": "write_stdin",\n  "arguments": {\n    "chars": "hi",\n'
+             '    "session_id": 0\n  }\n}\n```',
+             '<tools>\n  {"function": {"name": "create_file", "parameters": {"type": "object"}}}\n</tools>\n'
+             '{{"name": "create_file", "arguments": {"file_name": "hello.txt"}}}']
 PROSE = ["Hello! How can I help you today?",
          "Use a dict:\n```python\nuser = {\"name\": \"Ada\"}\nrows = [\n    {\"name\": \"x\"},\n]\n```\nDone.",
          'Settings:\n```json\n{\n  "version": "1.0.0",\n  "name": "my-app"\n}\n```\n',
@@ -133,6 +139,10 @@ def test_an_opened_call_is_held_to_an_offered_tool_and_ends_the_answer(agent):
     # prose, code and JSON in prose are no call: legal whole, and the answer may go on
     for text in PROSE:
         assert _legal(grammar, text) == (text, False), text
+    # real Codex's answers: a call (write_stdin is Codex's), and a call held to an offered name
+    if agent == "codex":
+        assert _legal(grammar, CODEX_GOT[0]) == (CODEX_GOT[0], True)
+        assert _legal(grammar, CODEX_GOT[1])[0].endswith('{{"name": "create_')  # create_goal is offered
     # the model's own layout after the opening; a call after a preamble laid out over lines
     # (the default pair's answer to Codex at T = 1) is one, with no argument its schema lacks
     pretty = ('To create it, run:\n\n```json\n{\n  "name": "exec_command",\n  "arguments": {\n'
@@ -179,6 +189,9 @@ def test_text_before_a_fenced_call_is_content_and_the_call_never_is(cut):
     assert content == "Let me look." and [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Oslo"})]
     shown, rest, calls = _streamed(CALLED, cut)
     assert shown + rest == "Let me look." and calls[0].arguments == {"city": "Oslo"} and calls[0].error is None
+    later = "Sure.\n{{" + CALLED[CALLED.index('"name"'):-len("\n```")] + "}"  # doubled braces on a later line
+    assert _streamed(later, cut)[0] + _streamed(later, cut)[1] == "Sure."
+    assert Hermes().parse(later, TOOLS)[1][0].arguments == {"city": "Oslo"}
     # cut off inside the call (max_tokens): the text before it, no markup, no call
     cut_off = CALLED[:CALLED.index('"city"')]
     assert Hermes().parse(cut_off, TOOLS) == ("Let me look.", [])
@@ -186,7 +199,8 @@ def test_text_before_a_fenced_call_is_content_and_the_call_never_is(cut):
     assert shown + rest == "Let me look." and calls == []
     # opening the answer: fenced, bare, doubled, tagged
     bare = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-    for text in (CALLED[len("Let me look.\n\n"):], bare, "{" + bare + "}", f"<tools>\n{bare}\n</tools>"):
+    keyed = bare.replace('"name"', '"function"')
+    for text in (CALLED[len("Let me look.\n\n"):], bare, "{" + bare + "}", f"<tools>\n{bare}\n</tools>", keyed):
         shown, rest, calls = _streamed(text, cut)
         assert shown + rest == "" and calls[0].name == "get_weather"
     # prose, code blocks and JSON in prose stream whole and are no call
@@ -401,3 +415,23 @@ def test_claude_codes_write_and_codexs_exec_command_are_called_on_qwen(qwen_pair
         assert r.tool_calls[0].arguments["cmd"].startswith("ls")
         prompt = eng.prepare_chat(ask, Request.build(max_tokens=64, tools=codex)).tokens
         assert '"name": "ls"' in eng.generate(prompt, max_tokens=12).text  # what it writes unconstrained
+
+
+def test_codexs_goal_objective_without_a_call_id_is_taken_as_context():
+    """Answered create_goal (a call the lazy grammar let through), Codex 0.171.0 sends the call's
+    output, then the goal's objective as a function_call_output with no call_id (recorded through
+    `serve`): context, not a 400 that ends its run."""
+    import copy
+    body = copy.deepcopy(CODEX)
+    body["input"] += [
+        {"type": "function_call", "name": "create_goal", "call_id": "call_1",
+         "arguments": '{"objective": "Create hello.txt", "token_budget": 20000}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"goal": {"status": "active"}}'},
+        {"type": "function_call_output", "id": "fco_1", "name": "goal_objective", "namespace": "agent",
+         "output": "Create hello.txt"}]
+    msgs = responses.ResponsesRequest.model_validate(body).chat().engine_messages()
+    assert [m["role"] for m in msgs[-3:]] == ["assistant", "tool", "system"]
+    assert msgs[-1]["content"] == "goal_objective: Create hello.txt"
+    body["input"][-1] = {"type": "function_call_output", "output": "x"}  # neither a call nor a name: refused
+    with pytest.raises(Exception, match="names its call in call_id"):
+        responses.ResponsesRequest.model_validate(body).chat()

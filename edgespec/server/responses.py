@@ -184,6 +184,11 @@ class ResponsesRequest(_Body):
                     out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             elif kind == "function_call_output":
                 cid, output = item.get("call_id"), item.get("output", "")
+                if cid is None and isinstance(item.get("name"), str):
+                    # an output no call asked for: Codex adds its goal's objective so (name
+                    # "goal_objective", namespace "agent"), after the output of create_goal
+                    out.append({"role": "system", "content": f"{item['name']}: {_content(output, f'{where}.output')}"})
+                    continue
                 if not isinstance(cid, str):
                     raise ApiError(400, f"{where}: a function_call_output item names its call in call_id",
                                    param="input")

@@ -119,6 +119,7 @@ def test_an_existing_record_file_open_to_others_is_made_private(smol, tmp_path):
     srv = ServerProcess(["--target", str(smol), *FLAGS, "--record", str(record)], tmp_path)
     try:
         assert stat.S_IMODE(os.stat(record).st_mode) == 0o600
+        srv.wait_ready()  # SIGINT while the model still loads ends serve with 130 ("interrupted")
     finally:
         assert srv.stop() == 0, srv.log.read_text()
     assert record.read_text().startswith('{"time": 1,')  # appended to, not replaced

@@ -119,6 +119,18 @@ class Settings:
     cache_type_v: str = "f16"
     cache_type_k_draft: Optional[str] = None
     cache_type_v_draft: Optional[str] = None
+    # llama.cpp's RPC backend (edgespec/rpc.py, docs/distributed.md): the target's layers on these
+    # rpc-servers ("host:port,..." or a list), its output layer there or here; the draft there too
+    rpc: Union[str, list, tuple, None] = None
+    rpc_output: str = "remote"
+    rpc_draft: bool = False
+
+    def rpc_servers(self) -> list[str]:
+        """The endpoints of `rpc` ([] without)."""
+        if not self.rpc:
+            return []
+        from .rpc import parse_servers
+        return parse_servers(self.rpc if isinstance(self.rpc, str) else ",".join(map(str, self.rpc)))
 
     def validate(self) -> "Settings":
         """Check every field before anything is downloaded or loaded; returns self, or a copy
@@ -162,6 +174,11 @@ class Settings:
                 raise UsageError(f"{name} ({flag}) must be one of {', '.join(KV_TYPE_NAMES)}, got {v!r}")
         _check_int("n_gpu_layers", self.n_gpu_layers, -1)
         _check_int("draft_n_gpu_layers", self.draft_n_gpu_layers, -1)
+        self.rpc_servers()
+        if self.rpc_output not in ("remote", "local"):
+            raise UsageError(f"rpc_output (--rpc-output) must be remote or local, got {self.rpc_output!r}")
+        if self.rpc_draft and not self.rpc:
+            raise UsageError("--rpc-draft puts the draft model on the --rpc servers: give --rpc HOST:PORT too")
         for name in ("target", "draft", "models_file", "cache_dir"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, Path)):
@@ -443,9 +460,11 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
     # a quantized V cache the budget chose needs flash attention, which auto leaves to llama.cpp
     flash_attn = "on" if mode.quantized_v and settings.flash_attn == "auto" else settings.flash_attn
     # n_ctx is one sequence's context: each context holds n_ctx x n_seq KV cells
+    remote = settings.rpc_servers()
     tb = LlamaBackend(target_path, n_ctx=settings.n_ctx, n_seq=n_seq, n_gpu_layers=settings.n_gpu_layers,
                       threads=settings.threads, flash_attn=flash_attn, verbose=settings.verbose,
-                      repack=mode.repack, type_k=mode.type_k, type_v=mode.type_v)
+                      repack=mode.repack, type_k=mode.type_k, type_v=mode.type_v, rpc=remote,
+                      rpc_output=settings.rpc_output)
     db = None
     try:
         if drafter != "none" and not tb.can_truncate:
@@ -458,7 +477,8 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
         if draft_path:
             db = LlamaBackend(draft_path, n_ctx=settings.n_ctx, n_seq=n_seq, n_gpu_layers=settings.draft_n_gpu_layers,
                               threads=settings.threads, flash_attn=flash_attn, verbose=settings.verbose,
-                              repack=mode.repack, type_k=mode.draft_type_k, type_v=mode.draft_type_v)
+                              repack=mode.repack, type_k=mode.draft_type_k, type_v=mode.draft_type_v,
+                              rpc=remote if settings.rpc_draft else None)
         from .promptcache import DiskCache, PromptCache
         cache_bytes = settings.cache_bytes()
         disk = (DiskCache(settings.cache_dir, DiskCache.identity_of(tb),

@@ -73,10 +73,19 @@ class _Compute:
         self._start_lock = threading.Lock()
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
+        self._abandoned: dict[int, tuple] = {}  # id(queue) -> (queue, why its thread will never run again)
 
-    def _main(self) -> None:
-        while True:
-            fn, args, box, done = self._jobs.get()
+    def abandon(self, error: BaseException) -> None:
+        """The thread is stuck for good inside llama.cpp (an rpc-server lost mid-pass, edgespec/rpc.py):
+        the jobs queued for it fail with `error`, and the next job starts a new thread and queue."""
+        with self._start_lock:
+            self._abandoned[id(self._jobs)] = (self._jobs, error)
+            self._jobs = queue.SimpleQueue()
+            self._thread = None
+
+    def _main(self, jobs) -> None:
+        while id(jobs) not in self._abandoned:  # an abandoned thread that came back takes no more jobs
+            fn, args, box, done = jobs.get()
             if box is None:  # posted: nobody waits for it (an engine's round, engine.Engine._loop)
                 try:
                     fn(*args)
@@ -91,26 +100,33 @@ class _Compute:
                 done.set()
 
     def _ensure(self) -> None:
-        with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
-                self._thread = threading.Thread(target=self._main, name="edgespec-llama", daemon=True)
-                self._thread.start()
+        """(under _start_lock)"""
+        if self._thread is None or not self._thread.is_alive():  # first use, a forked child, or abandoned
+            self._thread = threading.Thread(target=self._main, args=(self._jobs,), name="edgespec-llama",
+                                            daemon=True)
+            self._thread.start()
 
     def post(self, fn, *args) -> None:
         """Run `fn(*args)` on this thread in its turn, without waiting for it (its errors are logged)."""
-        self._ensure()
-        self._jobs.put((fn, args, None, None))
+        with self._start_lock:
+            self._ensure()
+            self._jobs.put((fn, args, None, None))
 
     def call(self, fn, *args, interrupt: Optional[Callable[[], None]] = None):
         t = self._thread
         if t is not None and threading.current_thread() is t:
             return fn(*args)
-        self._ensure()
         box: list = []
         done = threading.Event()
-        self._jobs.put((fn, args, box, done))
+        with self._start_lock:
+            self._ensure()
+            jobs = self._jobs
+            jobs.put((fn, args, box, done))
         pending: Optional[BaseException] = None
         while not done.is_set():
+            lost = self._abandoned.get(id(jobs))
+            if lost is not None:
+                raise lost[1]
             try:
                 done.wait(0.25)  # with a timeout: an interrupt is seen even where no signal wakes the wait
             except BaseException as exc:  # an interrupt while llama.cpp computes: stop it if it can be
@@ -157,6 +173,7 @@ def default_threads() -> int:
 # llama.cpp's llama_flash_attn_type: auto lets it decide per device (on for CPUs)
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
 ALL_GPU_LAYERS = 2**31 - 1
+REMOTE_FREE_SECONDS = 10  # a remote model's close waits this long for its servers (rpc.py)
 # KV cache element types llama-server takes for -ctk/-ctv (ggml_type ids); a quantized V needs
 # flash attention (llama.cpp refuses the context otherwise)
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # what n_gpu_layers = -1 means: llama.cpp caps it at the model's layers
@@ -212,9 +229,11 @@ class LlamaBackend:
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = N_CTX, n_gpu_layers: int = ALL_LAYERS,
                  threads: int | None = None, n_batch: int = 512, flash_attn: str | bool = "off",
                  verbose: bool = False, n_seq: int = 1, repack: bool = True, type_k: str = "f16",
-                 type_v: str = "f16"):
+                 type_v: str = "f16", rpc: Optional[Sequence[str]] = None, rpc_output: str = "remote"):
         """`repack=False`: llama.cpp keeps no repacked copy of the weights (CPU: less memory, the
-        plain kernels); `type_k`, `type_v`: the KV cache's element types (KV_TYPES)."""
+        plain kernels); `type_k`, `type_v`: the KV cache's element types (KV_TYPES); `rpc`: rpc-servers
+        ("host:port") that hold the layers (edgespec/rpc.py), with the output layer there or here
+        (`rpc_output` "remote" | "local")."""
         flash_attn = {True: "on", False: "off"}.get(flash_attn, flash_attn)
         if flash_attn not in FLASH_ATTN_TYPES:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
@@ -231,6 +250,10 @@ class LlamaBackend:
         mparams.n_gpu_layers = ALL_GPU_LAYERS if n_gpu_layers < 0 else n_gpu_layers
         if hasattr(mparams, "use_extra_bufts"):
             mparams.use_extra_bufts = bool(repack)
+        self.remote: list[str] = list(rpc or [])
+        self.remote_devices: list[dict] = []
+        if self.remote:
+            self._remote_setup(mparams, rpc_output)
         self._model = _compute.call(L.llama_model_load_from_file, str(self.path).encode(), mparams)
         if not self._model:
             raise ModelFileError(f"llama.cpp could not load {self.path}: the file is damaged or "
@@ -277,6 +300,9 @@ class LlamaBackend:
         # keep their keys): they change the speed, and a saved state of one KV type fits no other
         if not repack:
             self.settings["repack"] = False
+        if self.remote:  # a pass over the network costs what it costs there: its own calibration
+            self.settings["rpc"] = ",".join(self.remote)
+            self.settings["rpc_output"] = rpc_output
         if (type_k, type_v) != ("f16", "f16"):
             self.settings["kv_types"] = f"{type_k}/{type_v}"
         self.repack, self.type_k, self.type_v = bool(repack), type_k, type_v
@@ -295,6 +321,33 @@ class LlamaBackend:
         self._piece_buf = threading.local()
         self._longest = None
         self._specials = None
+
+    def _remote_setup(self, mparams, output: str) -> None:
+        """The model's layers on the rpc-servers' devices (greeted first: one line, not llama.cpp's
+        abort, for a server that is not there); the output layer there or here."""
+        from . import rpc
+        from .ggufinfo import read_info
+        if output not in ("remote", "local"):
+            raise UsageError(f"rpc_output must be remote or local, got {output!r}")
+        rpc.check_servers(self.remote)
+        rpc.watch(self.remote)
+        self.remote_devices = rpc.devices(self.remote)
+        self._devices = rpc.device_list([d["handle"] for d in self.remote_devices])  # kept alive with the model
+        mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if output == "local":  # every repeating layer remote, the output layer (llama.cpp: ngl > n_layer) here
+            info = read_info(self.path)
+            mparams.n_gpu_layers = int(info.fields.get(f"{info.architecture}.block_count", 0) or 0)
+        else:
+            mparams.n_gpu_layers = ALL_GPU_LAYERS
+        self.rpc_output = output
+
+    @property
+    def lost(self) -> bool:
+        """Its rpc-server was lost: the model is gone and is never used (nor freed) again."""
+        if not self.remote:
+            return False
+        from . import rpc
+        return rpc.lost() is not None and self.remote[0] in (rpc.lost().endpoint or "")
 
     # -- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
@@ -587,6 +640,22 @@ class LlamaBackend:
             self._stray.discard(seq)
 
     def close(self) -> None:
+        if getattr(self, "remote", None):
+            if self.lost:  # freeing would send to the lost server and wait for good: its memory here is left
+                self._ctx = self._model = None
+                return
+            # freeing sends to the servers: one that went away unnoticed (nothing was computed since) is
+            # met here, and the thread that meets it never returns (rpc.py): not the caller's
+            t = threading.Thread(target=self._free, name="edgespec-rpc-free", daemon=True)
+            t.start()
+            t.join(REMOTE_FREE_SECONDS)
+            if t.is_alive():
+                log.warning("freeing %s on %s did not finish within %d s; left as it is", self.path.name,
+                            ", ".join(self.remote), REMOTE_FREE_SECONDS)
+            return
+        self._free()
+
+    def _free(self) -> None:
         L = _llama()
         if getattr(self, "_batch", None) is not None:
             L.llama_batch_free(self._batch)

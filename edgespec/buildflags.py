@@ -177,7 +177,7 @@ def choose(backend: str = "auto", amx: str = "auto", *, cpuinfo: str | None = No
             backend = "cpu"
             why = "nvcc found but no NVIDIA GPU visible" if nvcc else "no nvcc, not Apple Silicon"
         reasons.append(f"backend {backend}: {why}")
-    args: list[str] = []
+    args: list[str] = ["-DGGML_RPC=ON"]  # the RPC client: --rpc (docs/distributed.md)
     env: dict[str, str] = {}
     if backend == "cuda":
         if not nvcc:

@@ -252,6 +252,33 @@ class Engine(PromptBuilder):
         self._readers_idle = threading.Condition()
         self.cache = cache
         self.sequences = Sequences(target, draft, cache, self.parallel)
+        self.lost: Optional[BaseException] = None  # the target's rpc-server was lost (edgespec/rpc.py)
+        self._unwatch = None
+        if getattr(target, "remote", None):
+            from . import rpc
+            self._unwatch = rpc.on_lost(self._remote_lost)
+
+    def _remote_lost(self, error: BaseException) -> None:
+        """The target's rpc-server is gone (called from the llama.cpp thread that met it): every
+        running generation ends with `error` now, and so does everything asked of this engine later.
+        Its round is stuck for good inside llama.cpp; nothing here waits for it."""
+        if not getattr(self.target, "lost", False):
+            return  # another model's server
+        self.lost = error
+        with self._admission:
+            gens = [a.generation for a in self._active if a.generation is not None]
+            self._admission.notify_all()
+        for g in gens:
+            if not g.finished:
+                g.error, g.finished = error, True
+        with self._round_done:
+            self._round_done.notify_all()
+
+    def adopt_cache(self, other: "Engine") -> None:
+        """Take over `other`'s prompt cache (an engine loaded again after its rpc-server came back:
+        the conversations saved before the loss are still there)."""
+        if other.cache is not None:
+            self.cache = self.sequences.cache = other.cache
 
     @property
     def mode(self) -> str:
@@ -304,6 +331,8 @@ class Engine(PromptBuilder):
 
     # -- lifecycle ------------------------------------------------------------------------
     def _check_open(self) -> None:
+        if self.lost is not None:
+            raise self.lost
         if self._closed:
             raise EngineClosedError("this engine is closed: load a new one with Engine.load")
 
@@ -347,6 +376,17 @@ class Engine(PromptBuilder):
             for a in active:
                 a.cancel()
             self._admission.notify_all()
+        if self._unwatch is not None:
+            self._unwatch()
+        if self.lost is not None:  # its round is stuck in llama.cpp for good, holding _work: nothing waits
+            for a in active:       # for it, the remote model is left as it is (backend.close), the local
+                a._invalidate(self.lost)  # draft model is freed
+            if self.drafter is not None:
+                self.drafter.close()
+            self.target.close()
+            with self._round_done:
+                self._round_done.notify_all()
+            return
         with self._readers_idle:
             while self._readers:  # a tokenization in progress reads the vocabulary about to be freed
                 self._readers_idle.wait()

@@ -209,7 +209,22 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
         p.add_argument(flag, **kw)
     _add_flash_attn_arg(p)
     _add_memory_mode_args(p)
+    _add_rpc_args(p)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's own logs")
+
+
+def _add_rpc_args(p: argparse.ArgumentParser) -> None:
+    """--rpc (llama-server's name) and its two companions: docs/distributed.md."""
+    p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
+                   help="run the target's layers on these llama.cpp rpc-servers (start one on the big machine "
+                   "with `python -m edgespec rpc-server --host 0.0.0.0`; trusted networks only: RPC has no "
+                   "authentication). The draft model, the drafters and the sampling stay here; each verifying "
+                   "pass pays one round trip for all its rows")
+    p.add_argument("--rpc-output", choices=("remote", "local"), default="remote",
+                   help="with --rpc: the output layer on the servers (each verified row sends its logits back, "
+                   "~600 KB at a 152k vocabulary) or here (hidden states come back, this machine computes the "
+                   "logits); default remote")
+    p.add_argument("--rpc-draft", action="store_true", help="with --rpc: the draft model on the servers too")
 
 
 def _add_memory_mode_args(p: argparse.ArgumentParser) -> None:
@@ -311,6 +326,9 @@ def settings_from_args(args, **overrides):
         fields["flash_attn"] = args.flash_attn
     if getattr(args, "parallel_exact", None) is not None:  # --parallel-exact / --no-parallel-exact
         fields["parallel_exact"] = args.parallel_exact
+    for name in ("rpc", "rpc_output", "rpc_draft"):
+        if getattr(args, name, None) is not None:
+            fields[name] = getattr(args, name)
     for name in ("repack", "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft"):
         if hasattr(args, name):  # the memory modes (every verb with the model flags, and plan)
             fields[name] = getattr(args, name)

@@ -444,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     _setup_models(sub)
     _setup_plan(sub)
     _setup_doctor(sub)
+    from .rpcserver import add_parser as add_rpc_server
+    add_rpc_server(sub)
     from ..server import add_parser as add_serve  # the web stack itself is imported when `serve` runs
     add_serve(sub)
     return parser

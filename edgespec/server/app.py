@@ -116,6 +116,8 @@ def create_app(load: Callable[[], Any], *, model_id: str, api_key: Optional[str]
         s = scheduler()
         status = {"loading": "loading", "ready": "ok"}.get(s.state, s.state)
         body = {"status": status}
+        if s.state == "remote_down":  # the target's rpc-server: named, and that it comes back by itself
+            body["error"] = str(s.error)
         if key_ok(request):  # with a key, what runs here is for those who hold it; readiness for all
             body.update(model=model_id, parallel=s.parallel, running=s.running, waiting=s.waiting,
                         served=s.served, cancelled=s.cancelled)
@@ -335,6 +337,9 @@ def _ready(s: worker.Scheduler) -> None:
     if s.state == "loading":
         raise ApiError(503, "the model is still loading: retry when GET /health answers 200",
                        code="model_loading", headers={"Retry-After": "5"})
+    if s.state == "remote_down":
+        raise ApiError(503, f"{s.error}; retry when GET /health answers 200", code="remote_unavailable",
+                       headers={"Retry-After": "5"})
     if s.state != "ready":
         raise ApiError(503, f"the model is not available ({s.state})", code="model_unavailable")
 
@@ -389,6 +394,10 @@ def _failure(exc: BaseException, constraint_field: Optional[str] = None, prompt_
         return err
     if isinstance(exc, UsageError):  # prompt too long for the context, bad token ids, template failure
         return ApiError(400, str(exc))
+    from ..rpc import RemoteError
+    if isinstance(exc, RemoteError):  # the target's rpc-server was lost: not this request's fault
+        return ApiError(503, f"{exc}; retry when GET /health answers 200", code="remote_unavailable",
+                        headers={"Retry-After": "5"})
     if isinstance(exc, EdgespecError):
         return ApiError(500, str(exc))
     return ApiError(500, f"internal error: {type(exc).__name__}")

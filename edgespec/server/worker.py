@@ -212,6 +212,11 @@ class Scheduler:
         self._jobs: set[Job] = set()    # admitted and not yet finished: running or waiting
         self.served = 0                 # requests that ran to their end
         self.cancelled = 0              # requests whose client left (queued or running)
+        # a target on rpc-servers (edgespec/rpc.py): "remote_down" while they are lost, then loaded again
+        self._unwatch: Optional[Callable[[], None]] = None
+        self._reconnect: Optional[asyncio.Future] = None
+        self.lost_engines: list = []    # engines whose server was lost: never used, never freed (rpc.py)
+        self.reconnects = 0
 
     async def load(self, loader: Callable[[], Any]) -> None:
         try:
@@ -223,6 +228,69 @@ class Scheduler:
         self.parallel = max(1, int(getattr(self.engine, "parallel", 1)))
         self._generators = Threads(self.parallel, "edgespec-generate")
         self.state = "ready"
+        self._watch_remote(loader)
+
+    # -- a target on rpc-servers ------------------------------------------------------------------
+    def _watch_remote(self, loader: Callable[[], Any]) -> None:
+        remote = list(getattr(getattr(self.engine, "target", None), "remote", None) or [])
+        if not remote:
+            return
+        from .. import rpc
+        loop = asyncio.get_running_loop()
+
+        def lost(error):  # on llama.cpp's thread that met the loss
+            try:
+                loop.call_soon_threadsafe(self._remote_lost, error, loader, remote)
+            except RuntimeError:  # the event loop is gone: the server is stopping
+                pass
+        self._unwatch = rpc.on_lost(lost)
+
+    def _remote_lost(self, error: BaseException, loader: Callable[[], Any], remote: list[str]) -> None:
+        """The requests in flight end with `error` (the engine fails them: a 503 each); new ones are
+        refused with it while the servers are away; once they answer, the engine is loaded again with
+        the prompt cache it had."""
+        if self.state != "ready":
+            return
+        log.error("%s", error)
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        self.state, self.error = "remote_down", error
+        self.lost_engines.append(self.engine)
+        self._reconnect = asyncio.ensure_future(self._come_back(loader, remote))
+
+    async def _come_back(self, loader: Callable[[], Any], remote: list[str], every: float = 2.0) -> None:
+        from .. import rpc
+        old = self.lost_engines[-1]
+        while self.state == "remote_down":
+            await asyncio.sleep(every)
+            try:
+                await asyncio.to_thread(rpc.check_servers, remote, 3.0)
+            except rpc.RemoteError as exc:
+                log.debug("rpc-server still away: %s", exc)
+                continue
+            rpc.reconnected()
+            log.warning("the rpc-server at %s answers again: loading the target there", ", ".join(remote))
+            try:
+                engine = await asyncio.wrap_future(self.thread.submit(loader))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # lost again while loading, or refused: wait for it once more
+                log.error("loading the target again failed: %s", exc)
+                continue
+            if self.state != "remote_down":  # closed meanwhile
+                await asyncio.wrap_future(self.thread.submit(engine.close))
+                return
+            engine.adopt_cache(old)
+            if self._generators is not None:
+                self._generators.stop()  # their last jobs ended with the loss
+            self.engine = engine
+            self.parallel = max(1, int(getattr(engine, "parallel", 1)))
+            self._generators = Threads(self.parallel, "edgespec-generate")
+            self.state, self.error = "ready", None
+            self.reconnects += 1
+            self._watch_remote(loader)
+            log.warning("serving again")
 
     @property
     def running(self) -> int:
@@ -257,6 +325,12 @@ class Scheduler:
         """Cancel everything, wait for the running generations to end (within a round of their
         cancel), then close the engine on the thread that loaded it."""
         ready = self.state == "ready"
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+        if self._unwatch is not None:
+            self._unwatch()
+        if self.state == "remote_down":
+            self.state = "closed"
         if ready:
             self.state = "closed"  # nothing more is admitted
         for job in list(self._jobs):

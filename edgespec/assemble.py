@@ -78,6 +78,21 @@ def offloaded_layers(n_gpu_layers: int) -> int:
     return ALL_GPU_LAYERS if n_gpu_layers < 0 else n_gpu_layers
 
 
+def off_host(settings: "Settings", t_info=None) -> tuple[int, int]:
+    """(target, draft) layers not in this machine's RAM: offloaded to a GPU, or on the --rpc servers
+    (every repeating layer, and the output layer unless --rpc-output local). --memory-budget is this
+    machine's RAM; what the servers hold, `plan --rpc` checks against their free memory."""
+    from .backend import ALL_GPU_LAYERS
+    target = offloaded_layers(settings.n_gpu_layers)
+    draft = offloaded_layers(settings.draft_n_gpu_layers)
+    if settings.rpc:
+        n_layer = int(t_info.fields.get(f"{t_info.architecture}.block_count", 0) or 0) if t_info else 0
+        target = ALL_GPU_LAYERS if settings.rpc_output == "remote" or not n_layer else n_layer
+        if settings.rpc_draft:
+            draft = ALL_GPU_LAYERS
+    return target, draft
+
+
 def check_drafter(mode) -> None:
     if mode not in DRAFTERS:
         raise UsageError(f"unknown drafter {mode!r}; choose one of {', '.join(DRAFTERS)}")
@@ -292,8 +307,8 @@ def plan_for(settings: Settings, t_info, d_info) -> dict:
     cache = settings.cache_bytes()
     fit = max(0, total - cache)
     result = plan(t_info, d_info, n_ctx=settings.n_ctx, drafter=plan_mode(settings), budget=fit,
-                  gpu_layers=offloaded_layers(settings.n_gpu_layers),
-                  draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn,
+                  gpu_layers=off_host(settings, t_info)[0], draft_gpu_layers=off_host(settings, t_info)[1],
+                  flash_attn=settings.flash_attn,
                   n_seq=settings.parallel, modes=settings.memory_modes())
     return dict(result, budget_bytes=total, cache_bytes=cache, fit_bytes=fit)
 
@@ -337,8 +352,8 @@ def _smaller_parallel(settings: Settings, t_info, d_info, result: dict, drafter:
     """The most sequences, fewer than planned, at which `drafter` fits at the wanted context (0: none)."""
     from .memory import largest_parallel
     return largest_parallel(t_info, d_info, n_ctx=settings.n_ctx, drafter=drafter, budget=result["fit_bytes"],
-                            limit=result["parallel"] - 1, gpu_layers=offloaded_layers(settings.n_gpu_layers),
-                            draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers),
+                            limit=result["parallel"] - 1, gpu_layers=off_host(settings, t_info)[0],
+                            draft_gpu_layers=off_host(settings, t_info)[1],
                             flash_attn=settings.flash_attn, mode=settings.cheapest_mode())
 
 
@@ -422,7 +437,7 @@ def check_context(settings: Settings, t_info, d_info=None) -> None:
     # is refused here could never run
     n = settings.parallel or 1
     cheapest = settings.cheapest_mode()
-    need = estimate_model(t_info, settings.n_ctx, gpu_layers=offloaded_layers(settings.n_gpu_layers),
+    need = estimate_model(t_info, settings.n_ctx, gpu_layers=off_host(settings, t_info)[0],
                           repacked_types=(), flash_attn=settings.flash_attn, n_seq=n,
                           type_k=cheapest.type_k, type_v=cheapest.type_v).total
     have = total_memory()

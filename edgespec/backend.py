@@ -180,7 +180,14 @@ KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # what n_gpu_layers = -1 means: lla
 
 
 def gpu_offload_supported() -> bool:
-    return bool(_llama().llama_supports_gpu_offload())
+    """Whether this machine has a GPU llama.cpp can offload to. Not llama_supports_gpu_offload: it also
+    says yes for a build with the RPC client (every edgespec wheel), where no layer leaves the CPU
+    unless --rpc names a server."""
+    try:
+        from .rpc import local_devices
+        return bool(local_devices())
+    except Exception:  # the ggml bindings could not be read: llama.cpp's own answer
+        return bool(_llama().llama_supports_gpu_offload())
 
 
 @runtime_checkable
@@ -330,7 +337,7 @@ class LlamaBackend:
         if output not in ("remote", "local"):
             raise UsageError(f"rpc_output must be remote or local, got {output!r}")
         rpc.check_servers(self.remote)
-        rpc.watch(self.remote)
+        rpc.watch(self.remote, park=_compute.abandon)
         self.remote_devices = rpc.devices(self.remote)
         self._devices = rpc.device_list([d["handle"] for d in self.remote_devices])  # kept alive with the model
         mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import math
 import socket
 import sys
@@ -225,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="port to listen on at 127.0.0.1 (default: any free one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="edgespec %(message)s")
+    # explicitly: a parent that ignores SIGINT (a test runner's worker) hands that on, and Python
+    # then installs no KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with DelayProxy(args.upstream, args.latency_ms, args.mbit, port=args.port) as proxy:
             bandwidth = f", {args.mbit:g} Mbit/s" if args.mbit else ""

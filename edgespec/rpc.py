@@ -274,6 +274,7 @@ _hook = None            # the installed ctypes callback (kept alive)
 _previous = None
 _lost: Optional[RemoteLost] = None
 _listeners: list[Callable[[RemoteLost], None]] = []
+_parkers: list[Callable[[RemoteLost], None]] = []
 _state = threading.Lock()
 _in_use: set[str] = set()   # the endpoints of loaded remote models (named in the loss's message)
 
@@ -290,12 +291,10 @@ def _on_abort(message: bytes) -> None:
                          "start it again; `serve` reconnects by itself", where)
         first = _lost is None
         _lost = err
-        listeners = list(_listeners)
-    log.error("llama.cpp: %s", text.rpartition(": ")[2] or text)
+        listeners = list(_parkers) + list(_listeners)
+    log.info("llama.cpp: %s", text.rpartition(": ")[2] or text)
     if first:
-        from .backend import _compute
-        _compute.abandon(err)  # the llama.cpp thread waits for this one for good: the next job gets a new one
-        for fn in listeners:
+        for fn in listeners:  # first what frees llama.cpp's thread (backend._compute.abandon)
             try:
                 fn(err)
             except Exception:
@@ -303,11 +302,14 @@ def _on_abort(message: bytes) -> None:
     threading.Event().wait()  # this thread never returns into llama.cpp: abort() would end the process
 
 
-def watch(endpoints: list[str]) -> None:
-    """Install the abort hook (once) and note the endpoints in use."""
+def watch(endpoints: list[str], park: Optional[Callable[[RemoteLost], None]] = None) -> None:
+    """Install the abort hook (once) and note the endpoints in use; `park(error)` is called first
+    of all on a loss (the backend hands the llama.cpp thread that waits for good over to a new one)."""
     global _hook, _previous
     with _state:
         _in_use.update(endpoints)
+        if park is not None and park not in _parkers:
+            _parkers.append(park)
         if _hook is None:
             _hook = _ABORT(_on_abort)
             _previous = ggml().set_abort_callback(ctypes.cast(_hook, ctypes.c_void_p))

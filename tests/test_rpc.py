@@ -263,3 +263,21 @@ def test_serve_stops_at_once_when_its_server_went_away_unnoticed(tmp_path, smol)
     finally:
         srv.kill()
     assert code == 0, app.log.read_text()
+
+
+def test_run_whose_server_is_killed_mid_answer_exits_1_with_one_line(tmp_path, smol):
+    srv = RpcServer(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "edgespec", "run", "--target", str(smol), "--drafter", "none",
+                          "--ctx", "512", "--rpc", srv.endpoint, "--raw", "--max-tokens", "440",
+                          "--prompt", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.read(1), p.stderr.read()  # the answer has begun
+        srv.kill()
+        out, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    lines = [ln for ln in err.decode().splitlines() if ln.strip()]
+    assert p.returncode == 1, err
+    assert len(lines) == 1 and f"lost the rpc-server at {srv.endpoint}" in lines[0], err

@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..assemble import Settings
 from ..errors import EdgespecError, UsageError
-from ..frontend import (PROG, ProgressBar, _add_flash_attn_arg, _add_memory_mode_args, _add_model_args,
+from ..frontend import (PROG, ProgressBar, _add_flash_attn_arg, _add_memory_mode_args, _add_model_args, _add_rpc_args,
                         _add_sampling_args, _check_arg_text, _Parser, _RawHelp, _setup_logging, load_engine,
                         request_from_args, settings_from_args)
 
@@ -226,6 +226,7 @@ def _setup_plan(sub) -> None:
                    help="draft layers on the GPU")
     _add_flash_attn_arg(p)
     _add_memory_mode_args(p)
+    _add_rpc_args(p)
     p.add_argument("--json", action="store_true", help='print {"configs": [...], "choice": {...}}')
     p.set_defaults(func=cmd_plan)
 
@@ -239,6 +240,7 @@ def cmd_plan(args) -> int:
     d = read_info(d_path) if d_path else None
     result = plan_for(settings, t, d)  # the rule `run`, `serve`, bench and Engine.load follow
     decision = decide(settings, t, d)  # what they do with these flags, said as they would say it
+    remote = _remote_plan(settings, t, d, result) if settings.rpc else None
     # a quantized V cache turned flash attention auto into on (Settings.validate)
     forced = args.flash_attn == "auto" and settings.flash_attn == "on"
     if args.json:
@@ -247,17 +249,21 @@ def cmd_plan(args) -> int:
         if forced:
             result["flash_attn_note"] = "on, not auto: a quantized V cache needs flash attention"
         result["decision"] = _decision_json(decision)
+        if remote is not None:
+            result["remote"] = remote
         print(json.dumps(result, indent=1))
         return 0
-    from ..assemble import offloaded_layers, plan_mode
+    from ..assemble import off_host, plan_mode
     from ..memory import explain
     lines = explain(result, t, d, n_ctx=settings.n_ctx, drafter=plan_mode(settings),
                     budget_given=settings.memory_budget is not None,
-                    gpu_layers=offloaded_layers(settings.n_gpu_layers),
-                    draft_gpu_layers=offloaded_layers(settings.draft_n_gpu_layers), flash_attn=settings.flash_attn)
+                    gpu_layers=off_host(settings, t)[0], draft_gpu_layers=off_host(settings, t)[1],
+                    flash_attn=settings.flash_attn)
     if forced:
         lines.insert(2, "Flash attention: on, not auto: a quantized V cache (--cache-type-v) needs it.")
     lines.append(_decision_words(decision))
+    if remote is not None:
+        lines += _remote_words(remote)
     print("\n".join(lines))
     n = result["parallel"]
     seqs = f" for {n} sequences" if n > 1 else ""
@@ -271,6 +277,49 @@ def cmd_plan(args) -> int:
         line = f"{c['drafter']:<8} {c['n_ctx']:>6} {c['estimated_bytes'] / 2**30:>8.2f} GiB  {fits:<4}"
         print((line + (f"  {c['mode']}" if multi else "")).rstrip())
     return 0
+
+
+def _remote_plan(settings, t, d, result) -> dict:
+    """What goes to the --rpc servers and whether it fits their free memory (each device reports it):
+    the target's share not in this machine's RAM (memory.estimate_model, whole less here)."""
+    from .. import rpc
+    from ..assemble import off_host
+    from ..memory import estimate_model
+    n = result["parallel"]
+    mode = settings.memory_mode()
+    kw = dict(n_seq=n, flash_attn=settings.flash_attn, type_k=mode.type_k, type_v=mode.type_v, repack=False)
+    whole = estimate_model(t, settings.n_ctx, gpu_layers=0, **kw).total
+    here = estimate_model(t, settings.n_ctx, gpu_layers=off_host(settings, t)[0], **kw).total
+    need = max(0, whole - here)
+    parts = [("target", t.path.name, need)]
+    if settings.rpc_draft and d is not None:
+        dw = estimate_model(d, settings.n_ctx, gpu_layers=0, **kw).total
+        dh = estimate_model(d, settings.n_ctx, gpu_layers=off_host(settings, t)[1], **kw).total
+        parts.append(("draft", d.path.name, max(0, dw - dh)))
+    servers = rpc.parse_servers(settings.rpc if isinstance(settings.rpc, str) else ",".join(settings.rpc))
+    rpc.check_servers(servers)
+    devices = [{k: v for k, v in dev.items() if k != "handle"} for dev in rpc.devices(servers)]
+    free = sum(dev["free"] for dev in devices)
+    total_need = sum(p[2] for p in parts)
+    return {"servers": servers, "devices": devices, "parts": [{"model": m, "file": f, "bytes": b} for m, f, b in parts],
+            "need_bytes": total_need, "free_bytes": free, "fits": total_need <= free,
+            "output_layer": settings.rpc_output}
+
+
+def _remote_words(r: dict) -> list[str]:
+    gib = 2 ** 30
+    where = "there" if r["output_layer"] == "remote" else "here"
+    out = ["", f"On the rpc-servers ({', '.join(r['servers'])}; the output layer {where}):"]
+    for p in r["parts"]:
+        out.append(f"  {p['model']} {p['file']}: {p['bytes'] / gib:.2f} GiB (its layers' weights, KV cache and "
+                   "work buffers)")
+    for dev in r["devices"]:
+        out.append(f"  {dev['endpoint']} {dev['name']} ({dev['description']}): {dev['free'] / gib:.2f} of "
+                   f"{dev['total'] / gib:.2f} GiB free")
+    verdict = "fits" if r["fits"] else "does NOT fit: lower --ctx or --parallel, or add a server"
+    out.append(f"  {r['need_bytes'] / gib:.2f} GiB wanted of {r['free_bytes'] / gib:.2f} GiB free: {verdict}"
+               " (llama.cpp splits the layers by the servers' free memory)")
+    return out
 
 
 def _decision_json(d: dict) -> dict:
@@ -300,8 +349,27 @@ def _setup_doctor(sub) -> None:
     p.add_argument("--build-flags", action="store_true",
                    help="print how llama-cpp-python should be built here (the pip command with this machine's "
                    "CMake flags, and why), for installs without the Makefile; with $BACKEND / $AMX as make takes them")
+    p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
+                   help="also greet these rpc-servers: their protocol, devices and free memory (docs/distributed.md)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_doctor)
+
+
+def _doctor_rpc(servers) -> dict:
+    """The RPC client of this build, and what each --rpc server says of itself (errors as text)."""
+    from .. import rpc
+    out: dict = {"client": rpc.available(), "protocol": ".".join(map(str, rpc.PROTOCOL))}
+    if not servers or not out["client"]:
+        return out
+    out["servers"] = []
+    for ep in rpc.parse_servers(servers):
+        try:
+            version = rpc.check_servers([ep])[ep]
+            devs = [{k: v for k, v in d.items() if k != "handle"} for d in rpc.devices([ep])]
+            out["servers"].append({"endpoint": ep, "protocol": ".".join(map(str, version)), "devices": devs})
+        except rpc.RemoteError as exc:
+            out["servers"].append({"endpoint": ep, "error": str(exc)})
+    return out
 
 
 def _print_build_flags() -> int:
@@ -348,7 +416,7 @@ def cmd_doctor(args) -> int:
               "ram_total_bytes": psutil.virtual_memory().total,
               "ram_available_bytes": psutil.virtual_memory().available,
               "hf_cache": str(hf_cache_dir()), "edgespec_cache": str(cache_dir()),
-              "pairs_cached": cached, "calibrations": calib}
+              "pairs_cached": cached, "calibrations": calib, "rpc": _doctor_rpc(args.rpc)}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0 if result.ok else 1
@@ -361,6 +429,14 @@ def cmd_doctor(args) -> int:
           f"{report['ram_available_bytes'] / 2**30:.1f} GiB available")
     print(f"caches: {report['hf_cache']} (Hub), {report['edgespec_cache']} (mirrors, calibration)")
     print("pairs downloaded: " + (", ".join(n for n, ok in cached.items() if ok) or "none"))
+    r = report["rpc"]
+    print(f"RPC client: {'built in, protocol ' + r['protocol'] if r['client'] else 'not in this build (make llama)'}")
+    for srv in r.get("servers", []):
+        if srv.get("error"):
+            print(f"  {srv['endpoint']}: {srv['error']}")
+        for dev in srv.get("devices", []):
+            print(f"  {srv['endpoint']}: protocol {srv['protocol']}, {dev['name']} {dev['free'] / 2**30:.1f} of "
+                  f"{dev['total'] / 2**30:.1f} GiB free")
     if calib:
         print(f"calibrated ({len(calib)}; `edgespec calibrate PAIR` measures again):")
         for c in calib:

@@ -6,6 +6,7 @@ llama.cpp: nothing else to build or to keep in step. It serves one client at a t
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -92,13 +93,17 @@ def cmd_rpc_server(args) -> int:
             failed.append(exc)
     t = threading.Thread(target=run, name="rpc-server", daemon=True)
     t.start()
-    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends it as Ctrl-C does
+    # Ctrl-C, and a service manager's stop, end it; SIGINT explicitly: a parent that ignores it (a
+    # test runner's worker) hands that on, and Python then installs no KeyboardInterrupt
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while t.is_alive():
             t.join(0.5)
     except KeyboardInterrupt:
-        print(f"{PROG}: stopped", file=sys.stderr)
-        return 0
+        print(f"{PROG}: stopped", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # ggml's server thread may be inside a client's call: nothing to tidy, no waiting for it
     if failed:
         raise failed[0]
     return 1

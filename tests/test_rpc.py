@@ -198,11 +198,17 @@ def test_a_server_killed_mid_answer_ends_the_answer_with_an_error_not_the_proces
 
 def test_serve_answers_503_while_its_server_is_away_and_serves_again_when_it_is_back(tmp_path, smol):
     srv = RpcServer(tmp_path)
-    app = ServerProcess(["--target", str(smol), "--drafter", "none", "--ctx", "512", "--cache-ram", "0",
-                         "--rpc", srv.endpoint], tmp_path)
+    # one sequence and the prompt cache on: the first conversation is saved to the cache when the
+    # second takes its sequence, and it must come back from there after the loss
+    app = ServerProcess(["--target", str(smol), "--drafter", "none", "--ctx", "512", "--parallel", "1",
+                         "--cache-ram", "64MiB", "--rpc", srv.endpoint], tmp_path)
     # counting on: at T = 0 a small model goes on to max_tokens (seconds), so the kill lands mid-answer
     body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "max_tokens": 440, "temperature": 0}
-    short = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6, "temperature": 0}
+    # long enough for the cache (whole 128-token pieces of it are saved: slots.py)
+    town = ("The town by the sea waited all winter for the boats to come back; the harbour was quiet, the nets "
+            "were mended twice, and the children counted the days on the wall of the school. ") * 4
+    short = {"messages": [{"role": "user", "content": town + "Say hi to them in one friendly sentence."}],
+             "max_tokens": 6, "temperature": 0}
     try:
         app.wait_ready()
         with httpx.Client(base_url=app.url, timeout=120) as c:
@@ -238,6 +244,8 @@ def test_serve_answers_503_while_its_server_is_away_and_serves_again_when_it_is_
                 after = c.post("/v1/chat/completions", json=short)
                 assert after.status_code == 200, after.text
                 assert after.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
+                # from the prompt cache kept across the loss, not prefilled again
+                assert after.json()["edgespec"]["restored_prompt_tokens"] > 0, (after.json()["edgespec"], app.log.read_text())
                 code = app.stop()  # while the server is up: it frees what it holds there
                 assert code == 0, app.log.read_text()
                 assert "Client connection closed" in back.log.read_text()

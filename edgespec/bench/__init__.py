@@ -65,6 +65,7 @@ class Options:
     peer: Optional[str] = None               # "llama-server": the peer benchmark (bench/llama_server.py)
     llama_server: Optional[str] = None       # its binary (None: found or built)
     agent_session: Optional[str] = None      # --kinds agent: the `serve --record` file (None: the packaged one)
+    rpc_latency_ms: Optional[tuple[float, ...]] = None  # the network benchmark's round trips (bench/rpc.py)
     sampling: SamplingParams = SamplingParams()  # the decode modes' law (T > 0: answers are not compared)
 
     @property
@@ -166,6 +167,10 @@ def add_arguments(p) -> None:
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="with --peer: the llama-server binary (default $LLAMA_SERVER, else built once from the "
                    "llama.cpp that llama-cpp-python vendors, ~12 minutes on 2 cores)")
+    p.add_argument("--rpc-latency-ms", default=None, metavar="MS1,MS2",
+                   help="instead: plain and auto with the target on llama.cpp rpc-servers (--rpc, else one started "
+                   "on loopback) behind a delay proxy of each round-trip time, e.g. 0,2,10,30; with --peer "
+                   "llama-server its draft-simple and ngram-mod too (bench/rpc.py; JSON: bench-results/bench-rpc.json)")
     _add_host_cost(p)
 
 
@@ -190,8 +195,16 @@ def options_from_args(args) -> Options:
                    parallel_requests=getattr(args, "parallel_requests", None), peer=getattr(args, "peer", None),
                    llama_server=getattr(args, "llama_server", None),
                    agent_session=getattr(args, "agent_session", None),
+                   rpc_latency_ms=_rpc_latencies(getattr(args, "rpc_latency_ms", None)),
                    sampling=SamplingParams(getattr(args, "temperature", 0.0), getattr(args, "top_k", 0),
                                            getattr(args, "top_p", 1.0), getattr(args, "min_p", 0.0))).validate()
+
+
+def _rpc_latencies(text):
+    if text is None:
+        return None
+    from .rpc import parse_latencies
+    return parse_latencies(text)
 
 
 def _structured_modes() -> tuple[str, ...]:
@@ -283,6 +296,9 @@ def main(settings, opts: Options, progress=None) -> int:
     """Run the benchmark that `opts` describes on the models of `settings`; print the table."""
     from ..engine import Engine
 
+    if opts.rpc_latency_ms is not None:
+        from . import rpc
+        return rpc.main(settings, opts, progress)
     if opts.structured:
         from . import structured
         return structured.main(settings, opts, progress)

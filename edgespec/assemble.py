@@ -139,6 +139,8 @@ class Settings:
     rpc: Union[str, list, tuple, None] = None
     rpc_output: str = "remote"
     rpc_draft: bool = False
+    # earlier answers kept for drafting later requests, in tokens (0: off): drafters/recall.py
+    draft_memory: int = 0
 
     def rpc_servers(self) -> list[str]:
         """The endpoints of `rpc` ([] without)."""
@@ -189,6 +191,7 @@ class Settings:
                 raise UsageError(f"{name} ({flag}) must be one of {', '.join(KV_TYPE_NAMES)}, got {v!r}")
         _check_int("n_gpu_layers", self.n_gpu_layers, -1)
         _check_int("draft_n_gpu_layers", self.draft_n_gpu_layers, -1)
+        _check_int("draft_memory (--draft-memory)", self.draft_memory, 0)
         self.rpc_servers()
         if self.rpc_output not in ("remote", "local"):
             raise UsageError(f"rpc_output (--rpc-output) must be remote or local, got {self.rpc_output!r}")
@@ -501,7 +504,8 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
                           facts=DiskCache.facts_of(tb))
                 if settings.cache_dir else None)
         cache = PromptCache(cache_bytes, disk) if cache_bytes or disk is not None else None
-        made = make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate, progress=progress)
+        made = make_drafter(drafter, tb, db, gamma=settings.gamma, calibrate=calibrate, progress=progress,
+                            memory=settings.draft_memory)
         policy = getattr(made, "policy", None)
         if policy is not None:
             policy.exact_shared = settings.parallel_exact
@@ -515,14 +519,19 @@ def load_parts(settings: Settings, *, download: bool = True, calibrate: str = "a
 
 
 def make_drafter(mode: str, target, draft_backend=None, *, gamma: int = GAMMA, calibrate: str = "auto",
-                 progress: Optional[ProgressCallback] = None):
-    """The drafter object for a mode (see REGISTRY), over loaded backends."""
+                 progress: Optional[ProgressCallback] = None, memory: int = 0):
+    """The drafter object for a mode (see REGISTRY), over loaded backends; `memory`: tokens of
+    earlier answers its lookups draw on (drafters/recall.py; 0: none)."""
     from .drafters.model import ModelDrafter
     check_drafter(mode)
     n_vocab = max(target.n_vocab, draft_backend.n_vocab) if draft_backend is not None else target.n_vocab
     model = ModelDrafter(draft_backend, n_vocab, gamma) if draft_backend is not None else None
-    return REGISTRY[mode].build(target, model, gamma,
+    made = REGISTRY[mode].build(target, model, gamma,
                                 lambda: make_policy(target, draft_backend, calibrate=calibrate, progress=progress))
+    if memory and made is not None:
+        from .drafters.recall import DraftMemory
+        made.use_memory(DraftMemory(memory))
+    return made
 
 
 def make_policy(target, draft_backend=None, *, calibrate: str = "auto", progress=None):

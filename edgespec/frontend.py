@@ -210,6 +210,10 @@ def _add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     _add_flash_attn_arg(p)
     _add_memory_mode_args(p)
     _add_rpc_args(p)
+    p.add_argument("--draft-memory", type=int, default=Settings.draft_memory, metavar="N",
+                   help="keep the last N tokens of earlier answers (oldest evicted first) for the lookup drafting of "
+                   "later requests: a tool call or a file an agent wrote before is drafted whole the next time "
+                   "(docs/agents.md); 0 = off (default 0). Drafts only: answers are verified as before")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's own logs")
 
 
@@ -322,6 +326,8 @@ def settings_from_args(args, **overrides):
                   memory_budget=args.memory_budget, cache_ram=getattr(args, "cache_ram", None),
                   models_file=args.models, verbose=getattr(args, "verbose", False),
                   bit_exact=getattr(args, "bit_exact", False))
+    if getattr(args, "draft_memory", None) is not None:
+        fields["draft_memory"] = args.draft_memory
     if getattr(args, "flash_attn", None) is not None:
         fields["flash_attn"] = args.flash_attn
     if getattr(args, "parallel_exact", None) is not None:  # --parallel-exact / --no-parallel-exact

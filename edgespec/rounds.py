@@ -205,6 +205,8 @@ def _finish(g: Generation, reason: Optional[str], force: bool) -> None:
         costs = g.drafter.describe_costs() if g.drafter is not None else None
         if costs is not None:
             g.stats.costs = costs
+        if g.drafter is not None and g.started:  # a draft memory remembers the answer (drafters/recall.py)
+            g.drafter.end(list(g.tokens))
 
 
 def _drafts(target, live: list[Generation], exact: bool = False):

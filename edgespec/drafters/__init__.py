@@ -3,7 +3,8 @@
 Lifecycle: `begin(prompt tokens)` once per request; each round `plan(...)` (by default
 `propose(...)`) returns a `Draft` (possibly empty), the target verifies it, and `observe(Round)`
 tells the drafter what was committed, how much of its draft was accepted and what the passes
-cost. `reset()` forgets everything a drafter learnt or cached; `close()` frees what it holds.
+cost. `end(tokens)` says the generation is over (what was committed); `reset()` forgets everything a
+drafter learnt or cached, a draft memory's answers included; `close()` frees what it holds.
 `Drafter` is the whole interface, with the defaults of a drafter that drafts nothing: a new
 drafter subclasses it and overrides `propose` (and what else it needs).
 
@@ -86,6 +87,14 @@ class Drafter:
 
     def observe(self, round: Round) -> None:
         """What the round committed and cost."""
+
+    def end(self, tokens: list[int]) -> None:
+        """The generation ended with `tokens` committed (prompt included): a drafter with a
+        draft memory (recall.py) remembers its answer for later requests."""
+
+    def use_memory(self, memory) -> None:
+        """Draw on a draft memory shared by the engine's lanes (recall.DraftMemory); a drafter
+        without lookups ignores it."""
 
     def fork(self, seq: int) -> "Drafter":
         from ..errors import UsageError

@@ -51,6 +51,13 @@ class AutoDrafter(Drafter):
         if self.model is not None:
             self.model.begin(tokens)
 
+    def use_memory(self, memory) -> None:
+        """Copies and lookups draw on this draft memory (recall.DraftMemory) too."""
+        self.copy.use_memory(memory)
+
+    def end(self, tokens: list[int]) -> None:
+        self.copy.end(tokens)
+
     def fork(self, seq: int) -> "AutoDrafter":
         """The lane for sequence `seq`: its own copy drafter, the same draft model (its sequence
         `seq`) and the policy's fork: what passes cost is learnt from every sequence; with
@@ -74,7 +81,7 @@ class AutoDrafter(Drafter):
         self._bound = None
         if guide is not None and cont:  # judged as the engine will verify it: cut at its first forbidden token
             cont = cont[:guide.legal_prefix(cont)]
-            if m.in_prompt:  # a value quoted from the prompt: drafted up to where its phrase ends
+            if m.in_prompt and not m.memory:  # a value quoted from the prompt: drafted up to where its phrase ends
                 cont = cont[:value_end(cont, guide.piece)]
             self._bound = len(cont)
         self._constrained = guide is not None
@@ -87,7 +94,7 @@ class AutoDrafter(Drafter):
         choice = self.policy.choose(offer, self.model is not None, room, self._lag,
                                     (share.own + forced, int(share.own > 0)), share=share)
         if choice.drafter in ("copy", "ngram"):
-            return Draft(cont[:choice.gamma], None, choice.drafter)
+            return Draft(cont[:choice.gamma], None, "memory" if m.memory else choice.drafter)
         if choice.drafter == "model":
             return ModelWant(self.model, tokens, choice.gamma, params, rng, guide)
         return NO_DRAFT

@@ -19,6 +19,7 @@ from typing import NamedTuple
 from ..defaults import GAMMA
 from . import Draft, Drafter, Round
 from .ngram import NgramDrafter, agreed, run_length
+from .recall import prefer
 
 ALIGNED_MIN = 12  # agreed tokens before a copy counts as an established alignment
 ANCHOR_MIN = 3    # agreed tokens before a divergence is taken for an edit (not a coincidence that ended)
@@ -36,6 +37,7 @@ class CopyMatch(NamedTuple):
     continuation: list[int]  # what the source says comes next
     in_prompt: bool          # the source lies in the prompt (not in generated text)
     risk: tuple[float, ...] = ()  # per continuation token: how often an edit began at such a place
+    memory: bool = False     # the source is an earlier answer in the draft memory (recall.py)
 
 
 NO_MATCH = CopyMatch("none", 0, [], False)
@@ -51,16 +53,27 @@ class CopyDrafter(Drafter):
     def __init__(self, gamma: int = GAMMA, ngram: NgramDrafter | None = None):
         self.gamma = gamma
         self.ngram = ngram if ngram is not None else NgramDrafter()
-        self.reset()
+        self._clear()
 
     # -- lifecycle --------------------------------------------------------------------------
     def begin(self, tokens: list[int]) -> None:
-        self.reset()
+        self._clear()
         self.ngram.begin(tokens)
         self.prompt_len = self.seen = len(tokens)
 
+    def use_memory(self, memory) -> None:
+        """Its lookups draw on this draft memory (recall.DraftMemory) too."""
+        self.ngram.use_memory(memory)
+
+    def end(self, tokens: list[int]) -> None:
+        self.ngram.end(tokens)
+
     def reset(self) -> None:
+        """Forget the request, what it learnt, and the draft memory's answers."""
         self.ngram.reset()
+        self._clear()
+
+    def _clear(self) -> None:
         self.prompt_len = self.seen = 0
         self._drop()
         self.last: tuple[int, CopyMatch] | None = None
@@ -225,6 +238,11 @@ class CopyDrafter(Drafter):
             m = NO_MATCH
         if not m.continuation:
             m = NO_MATCH
+        memory = self.ngram.memory
+        if memory is not None:  # an earlier answer that agrees with the context for longer
+            r = memory.match(tokens, limit)
+            if prefer(m.run, m.continuation, r):  # judged as a prompt lookup hit is: a copy of given text
+                m = CopyMatch("fresh", r.run, r.continuation, True, memory=True)
         self.last = (len(tokens), m) if m.continuation else None
         return m
 
@@ -256,7 +274,8 @@ class CopyDrafter(Drafter):
 
     def propose(self, tokens, room, params, rng, guide=None) -> Draft:
         # point masses: the engine cuts them at the first token a constraint forbids
-        return Draft(self.match(tokens, min(self.gamma, room)).continuation, None, self.name)
+        m = self.match(tokens, min(self.gamma, room))
+        return Draft(m.continuation, None, "memory" if m.memory else self.name)
 
     def outcome(self, tokens: list[int]) -> tuple[CopyMatch, int, int] | None:
         """How the last proposal fared against what was committed since:

@@ -9,6 +9,11 @@ Besides the continuation, a lookup reports the *run*: how many tokens before the
 end agree with the text before the chosen occurrence (the match extended backwards past
 N_MAX, up to RUN_MAX). A long run means the output is copying that passage, and copies go
 on: it is what the policy predicts acceptance from.
+
+With a draft memory (`recall.DraftMemory`, shared by an Engine's lanes) the lookup also draws on
+earlier answers: where the memory's match runs longer than the context's own and says something
+else (or the context has none), its continuation is drafted instead (source "memory",
+`recall.prefer`). Each lane gives the memory its answer when the generation ends (`end`).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import NamedTuple
 
 from ..defaults import GAMMA
 from . import Draft, Drafter, Round
+from .recall import prefer
 
 N_MIN = 1
 N_MAX = 8
@@ -84,33 +90,60 @@ class NgramDrafter(Drafter):
     name = "ngram"
     forks = True
 
-    def __init__(self, gamma: int = GAMMA, n_min: int = N_MIN, n_max: int = N_MAX):
+    def __init__(self, gamma: int = GAMMA, n_min: int = N_MIN, n_max: int = N_MAX, memory=None):
         self.gamma = gamma
         self.index = NgramIndex(n_min, n_max)
         self._args = (gamma, n_min, n_max)
+        self.memory = memory  # a recall.DraftMemory shared with the other lanes, or None
+        self.prompt: list[int] | None = None  # this generation's prompt (begin), until it ends
+        self._clear()
+
+    def _clear(self) -> None:
+        self.index.reset()
         self.last: tuple[int, int, list[int]] | None = None  # (context length, run, proposal)
+        self.recalled = False  # the last match came from the memory
+
+    def use_memory(self, memory) -> None:
+        """Draw on (and add to) this draft memory from now on; None: none."""
+        self.memory = memory
 
     def begin(self, tokens: list[int]) -> None:
-        self.reset()
+        self._clear()
+        self.prompt = list(tokens)
+
+    def end(self, tokens: list[int]) -> None:
+        """The generation ended with these tokens committed: its answer goes into the memory."""
+        prompt, self.prompt = self.prompt, None
+        if self.memory is not None and prompt is not None and len(tokens) > len(prompt):
+            self.memory.add(list(tokens[len(prompt):]), prompt)
 
     def reset(self) -> None:
-        self.index.reset()
-        self.last = None
+        """Forget the request and every earlier answer (Engine.reset)."""
+        self._clear()
+        self.prompt = None
+        if self.memory is not None:
+            self.memory.clear()
 
     def match(self, tokens: list[int], limit: int) -> Match:
         """The run length and up to `limit` continuation tokens; Match(0, []) when the context's
-        suffix was not seen before."""
+        suffix was not seen before. With a memory whose match runs longer: the memory's."""
         n, i = self.index.find(tokens)
-        if not n:
+        run, cont = (run_length(tokens, i, n), tokens[i + 1:i + 1 + limit]) if n else (0, [])
+        self.recalled = False
+        if self.memory is not None:
+            r = self.memory.match(tokens, limit)
+            if prefer(run, cont, r):
+                run, cont, self.recalled = r.run, r.continuation, True
+        if not cont:
             self.last = None
             return Match(0, [])
-        run, cont = run_length(tokens, i, n), tokens[i + 1:i + 1 + limit]
         self.last = (len(tokens), run, cont)
         return Match(run, cont)
 
     def propose(self, tokens, room, params, rng, guide=None) -> Draft:
         # point masses: the engine cuts them at the first token a constraint forbids
-        return Draft(self.match(tokens, min(self.gamma, room)).continuation, None, self.name)
+        m = self.match(tokens, min(self.gamma, room))
+        return Draft(m.continuation, None, "memory" if self.recalled else self.name)
 
     def outcome(self, tokens: list[int]) -> tuple[int, int, int] | None:
         """How the last match fared against what was committed since:
@@ -125,8 +158,8 @@ class NgramDrafter(Drafter):
         pass
 
     def fork(self, seq: int) -> "NgramDrafter":
-        """A drafter like this one for another sequence (its own index)."""
-        return NgramDrafter(*self._args)
+        """A drafter like this one for another sequence (its own index, the same memory)."""
+        return NgramDrafter(*self._args, memory=self.memory)
 
     def close(self) -> None:
         pass

@@ -468,6 +468,11 @@ class LlamaBackend:
         `parts` is [(seq, tokens, rows)], each as `eval` takes them; returns each part's rows.
         `copy=False`: each part's rows as a list of views of llama.cpp's logits buffer, not copied:
         valid until this context's next pass (a round reads them before it; what is kept is copied)."""
+        if self.remote:  # reading the rows waits for the servers: on the llama.cpp thread, which a loss
+            return _compute.call(self._eval_batch, parts, copy, interrupt=self._interrupt)  # may park
+        return self._eval_batch(parts, copy)
+
+    def _eval_batch(self, parts, copy: bool = True) -> list:
         L = _llama()
         for seq, tokens, _ in parts:
             if len(self._held[seq]) + len(tokens) > self.n_ctx:
@@ -604,6 +609,11 @@ class LlamaBackend:
     def save_state(self, seq: int = 0) -> tuple[tuple[int, ...], bytes]:
         """(the tokens sequence `seq` holds, its bytes): llama.cpp's state of the sequence, to be
         put back, byte for byte, by `load_state`."""
+        if self.remote:  # read from the servers: see eval_batch
+            return _compute.call(self._save_state, seq)
+        return self._save_state(seq)
+
+    def _save_state(self, seq: int = 0) -> tuple[tuple[int, ...], bytes]:
         L = _llama()
         self._drop_stray()
         size = int(L.llama_state_seq_get_size(self._ctx, seq))
@@ -616,6 +626,11 @@ class LlamaBackend:
 
     def load_state(self, tokens, data: bytes, seq: int = 0) -> None:
         """Replace sequence `seq`'s KV cache with a state `save_state` returned (of this model)."""
+        if self.remote:  # written to the servers: see eval_batch
+            return _compute.call(self._load_state, tokens, data, seq)
+        return self._load_state(tokens, data, seq)
+
+    def _load_state(self, tokens, data: bytes, seq: int = 0) -> None:
         L = _llama()
         self._drop_stray()
         L.llama_memory_seq_rm(self._mem, seq, -1, -1)

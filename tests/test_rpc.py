@@ -245,7 +245,8 @@ def test_serve_answers_503_while_its_server_is_away_and_serves_again_when_it_is_
                 assert after.status_code == 200, after.text
                 assert after.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
                 # from the prompt cache kept across the loss, not prefilled again
-                assert after.json()["edgespec"]["restored_prompt_tokens"] > 0, (after.json()["edgespec"], app.log.read_text())
+                stats = after.json()["edgespec"]
+                assert stats["restored_prompt_tokens"] > 0, (stats, app.log.read_text())
                 code = app.stop()  # while the server is up: it frees what it holds there
                 assert code == 0, app.log.read_text()
                 assert "Client connection closed" in back.log.read_text()

@@ -333,7 +333,6 @@ class LlamaBackend:
         """The model's layers on the rpc-servers' devices (greeted first: one line, not llama.cpp's
         abort, for a server that is not there); the output layer there or here."""
         from . import rpc
-        from .ggufinfo import read_info
         if output not in ("remote", "local"):
             raise UsageError(f"rpc_output must be remote or local, got {output!r}")
         rpc.check_servers(self.remote)
@@ -341,11 +340,10 @@ class LlamaBackend:
         self.remote_devices = rpc.devices(self.remote)
         self._devices = rpc.device_list([d["handle"] for d in self.remote_devices])  # kept alive with the model
         mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
-        if output == "local":  # every repeating layer remote, the output layer (llama.cpp: ngl > n_layer) here
-            info = read_info(self.path)
-            mparams.n_gpu_layers = int(info.fields.get(f"{info.architecture}.block_count", 0) or 0)
-        else:
-            mparams.n_gpu_layers = ALL_GPU_LAYERS
+        mparams.n_gpu_layers = ALL_GPU_LAYERS
+        if output == "local":  # every repeating layer remote, the output layer here (rpc.output_here)
+            self._overrides = rpc.output_here()
+            mparams.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         self.rpc_output = output
 
     @property

@@ -153,6 +153,7 @@ class _Ggml:
         self.dev_description = self._fn("ggml_backend_dev_description", cp, [vp])
         self.dev_type = self._fn("ggml_backend_dev_type", ctypes.c_int, [vp])
         self.dev_memory = self._fn("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)])
+        self.dev_buffer_type = self._fn("ggml_backend_dev_buffer_type", vp, [vp])
         self.set_abort_callback = self._fn("ggml_set_abort_callback", vp, [vp])
 
     def _fn(self, name, restype, argtypes):
@@ -254,6 +255,28 @@ def device_list(handles: list) -> ctypes.Array:
     """A NULL-terminated ggml_backend_dev_t array for llama_model_params.devices (keep it alive)."""
     arr = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
     return arr
+
+
+class _BuftOverride(ctypes.Structure):
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+# the output layer and its norm (a tied model's output is its token embedding, kept on the CPU as
+# the input layer anyway): llama.cpp counts the output as the last "layer" of n_gpu_layers, so
+# "every repeating layer remote, the output here" is said with a buffer-type override (llama-server's -ot)
+OUTPUT_TENSORS = rb"^(output|output_norm|token_embd)\."
+
+
+def output_here() -> ctypes.Array:
+    """A NULL-terminated llama_model_tensor_buft_override array putting the output layer in this
+    machine's CPU memory (for llama_model_params.tensor_buft_overrides; keep it alive)."""
+    g = ggml()
+    cpu = next((g.dev_get(i) for i in range(g.dev_count()) if _DEVICE_TYPES.get(g.dev_type(g.dev_get(i))) == "CPU"),
+               None)
+    if cpu is None:
+        raise RemoteError("llama.cpp reports no CPU device here for the output layer: use --rpc-output remote")
+    buft = g.dev_buffer_type(cpu)
+    return (_BuftOverride * 2)(_BuftOverride(OUTPUT_TENSORS, buft), _BuftOverride(None, None))
 
 
 def local_devices() -> list:

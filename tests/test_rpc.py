@@ -135,9 +135,26 @@ def test_t0_answers_over_rpc_equal_local_ones(server, smol, smol_draft, drafter)
 
 
 def test_the_output_layer_can_stay_here(server, smol, smol_draft):
+    """--rpc-output local: the same answer, and a row's hidden state comes back, not its logits."""
+    from edgespec.backend import LlamaBackend
+    from edgespec.netdelay import DelayProxy
     local, _ = _answer(smol, smol_draft, "none")
     remote, _ = _answer(smol, smol_draft, "none", rpc=server.endpoint, rpc_output="local")
     assert remote == local
+    down = {}
+    for output in ("remote", "local"):
+        with DelayProxy(server.endpoint) as proxy:
+            b = LlamaBackend(smol, n_ctx=256, rpc=[proxy.address], rpc_output=output)
+            try:
+                b.eval(b.tokenize("Hello there, how are"), [0])
+                proxy.reset_counters()
+                for t in (100, 200, 300, 400):
+                    b.eval([t], [0])
+                down[output] = proxy.counters.down_bytes / 4
+            finally:
+                b.close()
+    row = 4 * 49152  # a logits row of SmolLM2's vocabulary, float32
+    assert down["remote"] >= row and down["local"] < row / 20, down
 
 
 # -- faults: each in a process of its own (a fault that escaped the hook would end it) -------------------

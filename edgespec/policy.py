@@ -352,7 +352,15 @@ class Policy:
         g, saved = self._within_exact(costs, surv, costs.draft_step, 0.0, base, value, math.inf, 1, pass_of)
         if g == 0 or saved <= 0:
             return None
-        per_token = saved / (1.0 + sum(surv[:g]))
+        # what it would save a token in the rounds after this one, each a pass of its own (base
+        # (1, 1)): this round's pass may be priced apart (the first round of an answer, whose
+        # token came with the prompt, pays for its drafts' rows alone), and the catch-up is
+        # weighed against the answer, not this round (over RPC on a CPU, where 2 rows cost 2
+        # steps, the first round's price made it catch up on the whole prompt for one draft)
+        g_on, saved_on = self._within_exact(costs, surv, costs.draft_step, 0.0, (1, 1), value, math.inf, 1)
+        if g_on == 0 or saved_on <= 0:
+            return None
+        per_token = saved_on / (1.0 + sum(surv[:g_on]))
         if per_token * min(room, ANSWER_HORIZON) <= costs.catch_up(lag):
             return None
         return Choice("model", g, _tps(costs, surv[:g], costs.draft_step), explore=True)

@@ -359,3 +359,21 @@ def test_a_generation_tries_its_draft_model_where_a_good_one_would_repay_its_cat
         assert p.choose(None, has_model=True, room=9000, model_lag=5000).drafter == "model"
     finally:
         policy_mod.ANSWER_HORIZON = horizon
+
+
+def test_the_draft_models_test_is_not_bought_by_the_first_rounds_price():
+    """The first round of an answer prices its drafts alone (its token came with the prompt: base
+    (0, 0)), so there one draft looks cheap. Measured over RPC on 2 cores (T(2) 1.87 steps, a draft
+    step 0.49, a token of catch-up 0.11): the model was tested there, catching up on a 214-token
+    prompt (1 s of a 3 s answer) for a draft that could never repay it in the rounds after."""
+    rpc = Costs(tuple(T1 * (1 + 0.87 * (k - 1)) for k in range(1, 33)), draft_step=0.49 * T1,
+                draft_prefill=0.11 * T1)
+    p = _reproducible(rpc)
+    p.start()
+    first = p.choose(None, has_model=True, room=128, model_lag=214, base=(0, 0))
+    assert first.drafter == "none"
+    # where a row costs half a step the same first round still tests it (issue 39's case)
+    dear = Costs(tuple(T1 * (1 + 0.3 * (k - 1)) for k in range(1, 33)), draft_step=0.3 * T1, draft_prefill=0.1 * T1)
+    p = _reproducible(dear)
+    p.start()
+    assert p.choose(None, has_model=True, room=200, model_lag=100, base=(0, 0)).drafter == "model"

@@ -273,6 +273,9 @@ def measure_edgespec(settings, items: list[dict], opts, proxies: Proxies, progre
             spec = Engine.from_settings(dataclasses.replace(settings, rpc=endpoints), calibrate="now",
                                         progress=progress)
         load_seconds = time.perf_counter() - t0
+        online = getattr(getattr(spec.drafter, "policy", None), "online", None)
+        if online is not None:  # its corrections are of a port-keyed calibration forgotten below: not written
+            online.persist = None  # (a write from the last round could land after the forgetting)
         draft = spec.drafter.draft_backend if spec.drafter is not None else None
         with spec:
             plain = Engine(spec.target, None)  # the same loaded target, decoding alone

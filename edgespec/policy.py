@@ -299,7 +299,11 @@ class Policy:
             g, saved = self._within_exact(costs, surv, costs.draft_step, fixed, base, value, cap, seqs, pass_of)
             if g:
                 tests.append(Choice("model", g, _tps(costs, surv[:g], costs.draft_step)))
-                if saved > saving:
+                # a catch-up is spread over the rounds that draft after this one: only where they would
+                # (a pass of their own, base (1, 1)), not at this round's price alone (the first round of
+                # an answer, whose token came with the prompt, prices a draft's row as free)
+                later = fixed == 0.0 or seqs > 1 or self._pays_later(costs, surv)
+                if saved > saving and later:
                     runner_up, saving = tests[-1], saved
         if runner_up.gamma and saving > MARGIN * t1:
             best = runner_up
@@ -342,6 +346,11 @@ class Policy:
         if limit is not None and not (seqs > 1 and not self.exact_shared):
             surv = surv[:max(0, limit - base[0])]
         return best_saving(costs, surv, step, fixed, base, value, cap, pass_of) if surv else (0, -math.inf)
+
+    def _pays_later(self, costs: Costs, surv: list[float]) -> bool:
+        """Whether drafting at these survival odds saves time in a round of its own (base (1, 1))."""
+        g, saved = self._within_exact(costs, surv, costs.draft_step, 0.0, (1, 1), costs.verify_cost(1), math.inf, 1)
+        return g > 0 and saved > 0
 
     def _hope(self, costs: Costs, room: int, lag: int, base, value: float, pass_of) -> Optional[Choice]:
         """The draft model's first test in a generation (MODEL_HOPE), or None: tried already, or

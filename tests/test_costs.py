@@ -377,3 +377,18 @@ def test_the_draft_models_test_is_not_bought_by_the_first_rounds_price():
     p = _reproducible(dear)
     p.start()
     assert p.choose(None, has_model=True, room=200, model_lag=100, base=(0, 0)).drafter == "model"
+
+
+def test_the_first_rounds_price_does_not_buy_the_draft_models_catch_up_either():
+    """The same first-round price in the ordinary choice: at the prior (0.6) one draft looked to pay
+    there, and the catch-up (a 47-token prompt over RPC, 0.22 s) was spread over rounds that would
+    never draft. Measured over RPC at 10 ms on 2 cores (T(2) 1.84 steps, a step 0.39, a token of
+    catch-up 0.1): the model was chosen in the first round of fresh code."""
+    rpc = Costs(tuple(T1 * (1 + 0.84 * (k - 1)) for k in range(1, 33)), draft_step=0.39 * T1,
+                draft_prefill=0.1 * T1)
+    p = _reproducible(rpc)
+    p.start()
+    assert p.choose(None, has_model=True, room=128, model_lag=47, base=(0, 0)).drafter == "none"
+    # caught up (no catch-up to spread), the first round's price stands
+    p.start()
+    assert p.choose(None, has_model=True, room=128, model_lag=1, base=(0, 0)).drafter == "model"

@@ -238,7 +238,7 @@ def test_taken_port_raises_on_start(echo):
     ["localhost:50052", "--latency-ms", "fast"],
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(args):
-    run = subprocess.run([sys.executable, "-m", "edgespec.netdelay", *args], cwd=ROOT, capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "edgespec.cli.netdelay", *args], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2
     assert run.stdout == ""
@@ -247,7 +247,7 @@ def test_cli_bad_arguments_exit_2_with_one_line(args):
 
 
 def test_cli_forwards_until_ctrl_c(echo):
-    proc = subprocess.Popen([sys.executable, "-m", "edgespec.netdelay", echo.address, "--latency-ms", "10"],
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec.cli.netdelay", echo.address, "--latency-ms", "10"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stderr.readline()

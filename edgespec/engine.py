@@ -550,15 +550,17 @@ class Engine(PromptBuilder):
 
     def _wanted(self) -> bool:
         """Whether a turn of the loop is wanted: a running generation has no committed token left to
-        read, or was cancelled (its place is given back). A stream nobody reads stops there while it
-        runs alone; beside others it takes part in their rounds (its queue grows up to its
-        max_tokens, as before the loop). (Running the next round while a waiting reader reads the
-        last one's tokens saved a wake-up a round, 0.87 -> 0.92 of a simulated 3 ms step's
-        efficiency, but made the order of rounds and reads, which tests/test_parallel_fake.py
-        relies on, depend on timing: not done, issue 47.)"""
+        read, or was cancelled (its place is given back). A generation running alone reads ahead by
+        one round: its next round runs while its reader takes the last one's tokens (a GPU's step
+        would otherwise wait for the reader's wake-up and detokenizing every round, issue 47), so a
+        stream nobody reads stops one round later. Beside others a generation takes part in their
+        rounds (its queue grows up to its max_tokens, as before the loop), and no round runs ahead of
+        the readers, so that the order of rounds and reads does not depend on timing
+        (tests/test_parallel_fake.py relies on it)."""
         with self._admission:
-            return any(a.generation is not None and not a.generation.finished
-                       and (not a.generation.out or a.generation.cancel.is_set()) for a in self._active)
+            gens = [a.generation for a in self._active if a.generation is not None and not a.generation.finished]
+        alone = len(gens) == 1
+        return any(not g.out or g.cancel.is_set() or (alone and len(g.out) <= g.last_round) for g in gens)
 
     def _loop(self) -> None:
         """One turn of the engine's loop, on the llama.cpp thread: a round for every admitted

@@ -330,6 +330,7 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
     count(st, draft, n, n_forced, inner.source, timing.verify_seconds + timing.draft_seconds)
     if g.drafter is not None:
         g.drafter.observe(Round(tokens=g.tokens, draft=inner, accepted=max(0, n - n_forced), **timing._asdict()))
+    g.last_round = 0
     for i, tok in enumerate(new):
         if g.finished:  # its reader ended it (a stop string) while this round ran: nothing more is its answer
             return
@@ -342,6 +343,7 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
         st.generated += 1
         st.decode_seconds = time.perf_counter() - g.t1
         g.out.append((tok, i < n))
+        g.last_round += 1
         if st.generated >= g.request.max_tokens:
             g.emitted_all = i == len(new) - 1
             break

@@ -11,6 +11,7 @@ names follow the papers: p is the target, q the draft, gamma the number of draft
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -48,19 +49,46 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-# The windows under a row's maximum in which a filter looks for its candidates first (widened until one
+# The windows under a row's maximum in which top-k looks for its candidates first (widened until one
 # holds them); comparisons find a window, exponentials are taken on it only.
-_WINDOWS = (4.0, 8.0, 16.0, 32.0, np.inf)
-_TOP_K_WINDOWS = (16.0, 32.0, np.inf)
+_TOP_K_WINDOWS = (8.0, 16.0, 20.0, 24.0, 32.0, np.inf)
+# Top-p first exponentiates only the tokens within 16 of the row's maximum (a few hundred at 152k): every
+# token below weighs less than e^-16 against the maximum's 1, and less than e^-20 below 20, so with the
+# count of tokens within 20 (a comparison, no exponential) the row's normalising sum lies within a bracket
+# above the window's (about 5e-4 at 152k tokens); the cut is kept where both ends of it give the same
+# one. Else the window of 20 (the bracket under 3e-4), else the whole row; a window holding more than a
+# quarter of the row is skipped. Only the narrowest of _TOP_P_SORTED that reaches the mass is sorted.
+_TOP_P_HEADS = (16.0, 20.0)
+_TOP_P_SORTED = (4.0, 8.0, 16.0, np.inf)
 # Below this many candidates the top-p mass is computed on all of them at once, in float64.
 _SMALL = 4096
-# numpy's float32 exp is within a few ulp of the exact value and its pairwise float32 sum within
-# log2(n) ulp (2e-6 relative at 262k): the tail's share of a top-p normalising sum is known to 4e-6,
-# and a cut that error could move is decided in float64 on the whole row instead.
+# numpy's float32 exp is within a few ulp of the exact value (summed in float64): a window's sum and
+# its running sums are known to 4e-6, and a cut that error could move is decided on a wider window, or
+# in float64 on the whole row.
 _EXP32_ERROR = 4e-6
 # exp((z - max) / T) of a float32 lies below the smallest float32 (1.4e-45 = e^-103.3) beyond this:
 # those tokens are zero in the law whether or not they are computed.
 _UNDERFLOW = 104.0
+
+
+# Per thread, a row-sized boolean and float32 array that the whole-row comparisons and exponentials
+# write into: a new temporary of a 152k-token row (152 kB, 608 kB) costs more than the pass itself
+# where malloc hands it back to the kernel between two rows (measured: a float32 exp of a row 70 us into
+# a kept array, 540 us into a new one, heap-state dependent).
+_scratch = threading.local()
+
+
+def _scratch_of(name: str, n: int, dtype) -> np.ndarray:
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.size < n:
+        buf = np.empty(n, dtype=dtype)
+        setattr(_scratch, name, buf)
+    return buf[:n]
+
+
+def _at_least(z: np.ndarray, floor) -> np.ndarray:
+    """np.flatnonzero(z >= floor) (ascending indices), without a row-sized temporary."""
+    return np.flatnonzero(np.greater_equal(z, floor, out=_scratch_of("mask", z.size, bool)))
 
 
 class Law:
@@ -93,23 +121,15 @@ class Law:
         return self.idx.size
 
 
-def _window(z: np.ndarray, m: float, enough: Callable[[np.ndarray], bool]) -> np.ndarray:
-    """Indices (ascending) of the narrowest window `z >= m - d` (d in _WINDOWS) that is `enough`."""
-    for d in _WINDOWS:
-        sel = np.flatnonzero(z >= m - d)
-        if enough(sel):
-            return sel
-    return sel
-
-
 def _top_k(z: np.ndarray, m: float, k: int) -> np.ndarray:
     """Indices (ascending) of the k largest entries of z (max m); ties at the k-th value go to the
-    lowest ids. A window under the maximum that holds k (16 below it mostly does: a few hundred or
-    thousand tokens, one pass), then partitioned."""
+    lowest ids. The narrowest window under the maximum that holds k (counted by comparisons alone,
+    `_TOP_K_WINDOWS`), then partitioned."""
+    mask = _scratch_of("mask", z.size, bool)
     for d in _TOP_K_WINDOWS:
-        sel = np.flatnonzero(z >= m - d)
-        if sel.size >= k:
+        if d == np.inf or np.count_nonzero(np.greater_equal(z, m - np.float32(d), out=mask)) >= k:
             break
+    sel = np.flatnonzero(mask) if d != np.inf else np.arange(z.size)
     if sel.size > k:
         v = z[sel]
         kth = np.partition(v, v.size - k)[v.size - k]
@@ -140,22 +160,48 @@ def _cut(w: np.ndarray, lo: float, hi: float) -> Optional[np.ndarray]:
     return top[:j + 1]
 
 
+def _top_p_cut(e: np.ndarray, outside: float, top_p: float) -> Optional[np.ndarray]:
+    """Positions in `e` (float32 weights exp(z - max), by ascending token id, the maximum's among them)
+    of top-p's cut, the rest of the row weighing between 0 and `outside`; None when the bracket or the
+    rounding could move it."""
+    inside = float(e.sum(dtype=np.float64))
+    err = 2 * (inside + outside) * _EXP32_ERROR  # float32 exponentials, within a few ulp
+    lo, hi = top_p * (inside - err), top_p * (inside + outside + err)
+    for d in _TOP_P_SORTED:  # the cut lies in the narrowest top of the row that weighs more than hi
+        sub = np.flatnonzero(e >= np.float32(math.exp(-d))) if d != np.inf else None
+        if sub is None or float(e[sub].sum(dtype=np.float64)) > hi:
+            break
+    got = _cut((e if sub is None else e[sub]).astype(np.float64), lo, hi)
+    if got is None:
+        return None
+    return got if sub is None else sub[got]
+
+
 def _top_p(z: np.ndarray, m: float, top_p: float) -> np.ndarray:
     """Indices into z of the smallest set of highest-probability tokens (probabilities at
     temperature 1 over all of z, in float64) whose mass reaches top_p; ties go to the lowest ids.
 
-    On a large row the weights and their sum come from float32 exponentials (one vectorised pass) and
-    only the narrowest window under the maximum that holds more than top_p of the mass is sorted; the
-    cut is taken where their rounding cannot move it, otherwise (rarely) in float64 on the whole row."""
+    On a large row the weights are float32 exponentials, of a window under the maximum where the
+    rest is bounded (`_TOP_P_HEADS`), else of the whole row; only the top that holds the mass is sorted,
+    and the cut is kept where neither the bound nor the rounding can move it; otherwise (rarely) it is
+    decided in float64 on the whole row."""
     if z.size > _SMALL:
-        e = np.exp(z - m)  # float32, one vectorised pass
-        total = float(e.sum())
-        head = _window(z, m, lambda sel: float(e[sel].sum()) > top_p * total * (1 + 4 * _EXP32_ERROR))
-        w = e[head].astype(np.float64)  # the head's weights and the sum, both to _EXP32_ERROR
-        err = 2 * total * _EXP32_ERROR
-        got = _cut(w, top_p * (total - err), top_p * (total + err))
+        n, (near, far) = z.size, _TOP_P_HEADS
+        within = np.count_nonzero(np.greater_equal(z, m - np.float32(far), out=_scratch_of("mask", n, bool)))
+        for d in _TOP_P_HEADS:
+            if 4 * within > n:
+                break
+            head = _at_least(z, m - np.float32(d))
+            if 4 * head.size > n:
+                break
+            outside = (n - within) * math.exp(-far) + (within - head.size) * math.exp(-near) * (d < far)
+            got = _top_p_cut(np.exp(z[head] - m), outside, top_p)
+            if got is not None:
+                return head[got]
+        e = np.subtract(z, m, out=_scratch_of("exp", n, np.float32))
+        got = _top_p_cut(np.exp(e, out=e), 0.0, top_p)
         if got is not None:
-            return head[got]
+            return got
     w = np.exp((z - m).astype(np.float64))
     return _cut(w, top_p * float(w.sum()), top_p * float(w.sum()))
 
@@ -188,9 +234,9 @@ def row_law(row: np.ndarray, params: "SamplingParams", width: Optional[int] = No
     if params.min_p > 0.0:
         # p(x) >= min_p * p_max  <=>  logit(x) >= max_logit + log(min_p)
         floor = m + np.float32(math.log(params.min_p))
-        keep = np.flatnonzero(z >= floor) if keep is None else keep[z[keep] >= floor]
+        keep = _at_least(z, floor) if keep is None else keep[z[keep] >= floor]
     if keep is None:  # temperature alone: every token that does not underflow
-        keep = np.flatnonzero(z >= m - np.float32(_UNDERFLOW * params.temperature))
+        keep = _at_least(z, m - np.float32(_UNDERFLOW * params.temperature))
     p = np.exp((z[keep] - m) / np.float32(params.temperature))
     p /= p.sum()
     idx = keep if cand is None else cand[keep]

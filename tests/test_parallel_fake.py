@@ -162,8 +162,9 @@ def test_a_prompt_starting_with_another_sequences_tokens_copies_them_instead_of_
     second = engine.stream(system + [2, 2], max_tokens=5)
     r = second.result()
     assert r.stats.reused_prompt_tokens == len(system)
-    # its prompt pass fed only what follows the shared part
-    assert engine.target.batches[0] == [(1, 2, 1)]
+    # its prompt pass fed only what follows the shared part (the first stream, alone until then, may have
+    # read one round ahead after its first token: engine._wanted)
+    assert [b for b in engine.target.batches if any(part[0] == 1 for part in b)][0] == [(1, 2, 1)]
     assert engine.target.held(1)[:len(system)] == system
     alone = Engine(FakeBackend(p)).generate(system + [2, 2], max_tokens=5).tokens
     assert r.tokens == alone

@@ -182,7 +182,16 @@ def _rows(n_vocab: int, seed: int):
     ties = np.round(rng.normal(0, 2, n_vocab) * 2) / 2
     holes = rng.normal(0, 4, n_vocab)
     holes[rng.integers(n_vocab, size=n_vocab // 3)] = -np.inf
-    return [r.astype(np.float32) for r in (peaked, flat, heavy, ties, holes)]
+    # shelves: a head of equal tokens, and a band 16-20 below the maximum whose mass moves top-p's cut
+    # by more than one head token (decided 20 below, or on the whole row) or by less (decided 16 below)
+    shelves = []
+    for band, head in ((n_vocab // 8, 200), (n_vocab // 5, 30), (n_vocab // 50, 60)):
+        r = np.full(n_vocab, -60.0)
+        r[0], r[1:head + 1] = 0.0, np.log(0.05)
+        r[rng.choice(np.arange(head + 1, n_vocab), size=min(band, n_vocab - head - 1), replace=False)] = \
+            rng.uniform(-19.9, -16.1, min(band, n_vocab - head - 1))
+        shelves.append(r)
+    return [r.astype(np.float32) for r in (peaked, flat, heavy, ties, holes, *shelves)]
 
 
 def _same_law(got, want):

@@ -51,7 +51,7 @@ class SamplingParams:
 
 # The windows under a row's maximum in which top-k looks for its candidates first (widened until one
 # holds them); comparisons find a window, exponentials are taken on it only.
-_TOP_K_WINDOWS = (8.0, 16.0, 20.0, 24.0, 32.0, np.inf)
+_TOP_K_WINDOWS = (9.0, 12.0, 16.0, 20.0, 24.0, 32.0, np.inf)
 # Top-p first exponentiates only the tokens within 16 of the row's maximum (a few hundred at 152k): every
 # token below weighs less than e^-16 against the maximum's 1, and less than e^-20 below 20, so with the
 # count of tokens within 20 (a comparison, no exponential) the row's normalising sum lies within a bracket
@@ -124,18 +124,37 @@ class Law:
 def _top_k(z: np.ndarray, m: float, k: int) -> np.ndarray:
     """Indices (ascending) of the k largest entries of z (max m); ties at the k-th value go to the
     lowest ids. The narrowest window under the maximum that holds k (counted by comparisons alone,
-    `_TOP_K_WINDOWS`), then partitioned."""
+    `_TOP_K_WINDOWS`), then `_k_of` it."""
     mask = _scratch_of("mask", z.size, bool)
     for d in _TOP_K_WINDOWS:
         if d == np.inf or np.count_nonzero(np.greater_equal(z, m - np.float32(d), out=mask)) >= k:
             break
-    sel = np.flatnonzero(mask) if d != np.inf else np.arange(z.size)
+    return _k_of(z, np.flatnonzero(mask) if d != np.inf else np.arange(z.size), k)
+
+
+def _k_of(z: np.ndarray, sel: np.ndarray, k: int) -> np.ndarray:
+    """The k largest of z among `sel` (ascending indices holding them), ascending; ties to the lowest ids."""
+    if k < sel.size <= 512:  # a small window: sorted (stable: ties to the lowest ids)
+        return np.sort(sel[np.argsort(-z[sel], kind="stable")[:k]])
     if sel.size > k:
         v = z[sel]
         kth = np.partition(v, v.size - k)[v.size - k]
         above = sel[v > kth]
         sel = np.sort(np.concatenate([above, sel[v == kth][:k - above.size]]))
     return sel
+
+
+def _columns(z: np.ndarray, k: int) -> Optional[tuple]:
+    """(the row's maximum, a floor at least k of its tokens reach), from one pass: the row read as
+    64 or 128 interleaved columns, the k-th largest of their maxima (k disjoint columns reach it). None
+    where the row has too few columns for that to be a narrow floor."""
+    step = 64 if z.size < 131072 else 128
+    body = z.size - z.size % step
+    if body // step < 4 * k:
+        return None
+    cols = z[:body].reshape(step, -1).max(axis=0)
+    m = cols.max() if body == z.size else max(cols.max(), z[body:].max())
+    return m, np.partition(cols, cols.size - k)[cols.size - k]
 
 
 def _cut(w: np.ndarray, lo: float, hi: float) -> Optional[np.ndarray]:
@@ -145,9 +164,11 @@ def _cut(w: np.ndarray, lo: float, hi: float) -> Optional[np.ndarray]:
     sorted, grown by 8x until its sum reaches hi."""
     count = min(64, w.size)
     while True:
-        top = np.argpartition(-w, count - 1)[:count] if count < w.size else np.arange(w.size)
-        top = np.sort(top)  # ascending positions, then a stable sort by weight: ties to the lowest id
-        top = top[np.argsort(-w[top], kind="stable")]
+        if count < w.size:
+            top = np.sort(np.argpartition(-w, count - 1)[:count])  # ascending positions, then a stable
+            top = top[np.argsort(-w[top], kind="stable")]          # sort by weight: ties to the lowest id
+        else:
+            top = np.argsort(-w, kind="stable")
         cum = np.cumsum(w[top])
         if cum[-1] >= hi or count == w.size:
             break
@@ -203,7 +224,8 @@ def _top_p(z: np.ndarray, m: float, top_p: float) -> np.ndarray:
         if got is not None:
             return got
     w = np.exp((z - m).astype(np.float64))
-    return _cut(w, top_p * float(w.sum()), top_p * float(w.sum()))
+    mass = top_p * float(w.sum())
+    return _cut(w, mass, mass)
 
 
 def row_law(row: np.ndarray, params: "SamplingParams", width: Optional[int] = None,
@@ -220,12 +242,14 @@ def row_law(row: np.ndarray, params: "SamplingParams", width: Optional[int] = No
         cand = None
     if z.size == 0:
         raise FloatingPointError("no token is allowed in this row")
-    m = z.max()
+    k = params.top_k if 0 < params.top_k < z.size else 0
+    cols = _columns(z, k) if k and z.size > _SMALL else None
+    m = z.max() if cols is None else cols[0]
     if not np.isfinite(m):
         raise FloatingPointError("non-finite logits")
     # the filters, each on the tokens the one before kept; every set is the top of the row by value
-    if 0 < params.top_k < z.size:
-        keep = _top_k(z, m, params.top_k)
+    if k:
+        keep = _top_k(z, m, k) if cols is None else _k_of(z, _at_least(z, cols[1]), k)
         cand = keep if cand is None else cand[keep]
         z = z[keep]
     keep = None

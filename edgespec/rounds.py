@@ -330,6 +330,13 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
     count(st, draft, n, n_forced, inner.source, timing.verify_seconds + timing.draft_seconds)
     if g.drafter is not None:
         g.drafter.observe(Round(tokens=g.tokens, draft=inner, accepted=max(0, n - n_forced), **timing._asdict()))
+    with _finishing:  # atomic against a reader ending it at a stop string (engine._events): its count holds
+        _emit(g, target, new, n)
+
+
+def _emit(g: Generation, target, new: list[int], n: int) -> None:
+    """The round's committed tokens to the generation's queue, up to its end."""
+    st, guide = g.stats, g.guide
     g.last_round = 0
     for i, tok in enumerate(new):
         if g.finished:  # its reader ended it (a stop string) while this round ran: nothing more is its answer

@@ -174,7 +174,7 @@ class Guide:
     def allowed(self) -> np.ndarray:
         """Bool mask over the (padded) vocabulary of the tokens legal next."""
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
-        mask = np.unpackbits(bits, bitorder="little").astype(bool)
+        mask = np.unpackbits(bits, bitorder="little").view(bool)  # 0 and 1 bytes: a bool array as they are
         if mask.size >= self.n_vocab:
             return mask[: self.n_vocab]
         out = np.zeros(self.n_vocab, dtype=bool)

@@ -282,7 +282,7 @@ def _feed(g: Generation, target, drafts: list[int], masks):
     computed with the prompt (`carry`, used up here). A row a mask leaves one token in is not asked
     (nor is a part without open rows fed: its tokens stay pending for the next round)."""
     k = len(drafts)
-    open_rows = list(range(k + 1)) if masks is None else [i for i in range(k + 1) if masks[i].sum() > 1]
+    open_rows = list(range(k + 1)) if masks is None else [i for i in range(k + 1) if np.count_nonzero(masks[i]) > 1]
     if g.carry is not None:
         known, g.carry = {0: g.carry[0]}, None
         ask = [i for i in open_rows if i > 0]
@@ -296,7 +296,8 @@ def _feed(g: Generation, target, drafts: list[int], masks):
 def _logit_rows(drafts, got, ask, known: dict, masks, n_vocab: int) -> list:
     """The k + 1 rows of logits (the target's `n_vocab` columns; the laws read them as `width`
     wide, zero beyond): the pass's rows (`got`, for the rows asked) and the rows known before it,
-    not copied, and a point mass on its one legal token for a row the mask decides."""
+    not copied, and for a row the mask decides the point mass on its one legal token (a `Law`, which
+    the verifier reads as it is: no row of 152k -inf to build and search)."""
     logits: list = [None] * (len(drafts) + 1)
     for i, row in known.items():
         logits[i] = row
@@ -305,7 +306,9 @@ def _logit_rows(drafts, got, ask, known: dict, masks, n_vocab: int) -> list:
     if masks is not None:
         for i, row in enumerate(logits):
             if row is None:
-                logits[i] = np.where(masks[i][:n_vocab], np.float32(0.0), np.float32(-np.inf))
+                legal = masks[i][:n_vocab]
+                t = int(np.argmax(legal))  # its one legal token (none: a row of -inf, which the verifier refuses)
+                logits[i] = Law.point(t) if legal[t] else np.full(n_vocab, -np.inf, dtype=np.float32)
     return logits
 
 

@@ -330,9 +330,12 @@ class Laws:
         if got is None:
             if i < 0:
                 return self[len(self) + i]
-            allowed = None if self.masks is None else self.masks[i]
-            got = self._done[i] = row_law(np.asarray(self.rows[i], dtype=np.float32), self.params,
-                                          self.width, allowed)
+            row = self.rows[i]
+            if isinstance(row, Law):  # a row decided without logits (a mask's one legal token)
+                got = self._done[i] = row
+            else:
+                allowed = None if self.masks is None else self.masks[i]
+                got = self._done[i] = row_law(np.asarray(row, dtype=np.float32), self.params, self.width, allowed)
         return got
 
     def __array__(self, dtype=None, copy=None):
@@ -439,7 +442,9 @@ def verify(draft: list[int], p, q, rng: np.random.Generator) -> tuple[int, int]:
 def greedy_token(row: np.ndarray, allowed: Optional[np.ndarray] = None) -> int:
     """The argmax of a logits row among the tokens `allowed` (a boolean mask) permits; the first
     of equal maxima, as np.argmax of the masked row. Raises FloatingPointError where that maximum
-    is not finite (a NaN wins np.argmax: a damaged model)."""
+    is not finite (a NaN wins np.argmax: a damaged model). A `Law` row is a point mass: its token."""
+    if isinstance(row, Law):
+        return int(row.idx[np.argmax(row.p)])
     x = int(np.argmax(row))
     if allowed is not None and not (x < allowed.shape[-1] and allowed[x]):
         # the row's own argmax is forbidden: the first maximum among the allowed (the usual case,

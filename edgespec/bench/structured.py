@@ -189,7 +189,7 @@ def replay(drafter, costs, guide, prompt: list[int], out: list[int]) -> tuple[fl
         guide.rollback(len(forced))
         drafts = forced + inner_toks
         masks = guide.masks(drafts)
-        rows = sum(int(m.sum()) > 1 for j, m in enumerate(masks) if pend or j)
+        rows = sum(np.count_nonzero(m) > 1 for j, m in enumerate(masks) if pend or j)
         fed = pend + len(drafts)
         took = costs.pass_cost(fed, rows) if rows else 0.0
         spent += took

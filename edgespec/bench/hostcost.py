@@ -37,12 +37,6 @@ log = logging.getLogger("edgespec")
 
 ROWS = 48  # recorded positions per model
 STRUCTURED_ROWS = 200  # at most, under the schema (the whole answer)
-PEOPLE_PROMPT = (
-    "Extract every person mentioned in this message as JSON with their name, email and phone.\n\n"
-    "Hi team, for the vendor review please contact Dana Whitfield (dana.whitfield@northwind-labs.com, "
-    "+1 415 555 0142) about the contract, Marcus Lee (marcus.lee@northwind-labs.com, +1 415 555 0178) "
-    "about the hiring plan, Priya Raman (priya.raman@northwind-labs.com, +1 628 555 0109) about the budget "
-    "and Tomas Ortega (t.ortega@harbor-freight.io, +1 510 555 0193) about shipping.\n\nJSON:")
 PROMPT = ("Write a Python function that parses a CSV file of orders (id, customer, amount, date) and "
           "returns the total amount per customer for each month, with a docstring and type hints.")
 
@@ -69,12 +63,30 @@ class Setting:
     schema: Optional[dict] = None
 
 
-# a list of records: the structured case that ran slower than plain (issue 47)
-PEOPLE = {"type": "object", "properties": {"people": {"type": "array", "items": {
-    "type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"},
-                                     "phone": {"type": "string"}},
-    "required": ["name", "email", "phone"], "additionalProperties": False}}},
-    "required": ["people"], "additionalProperties": False}
+# a list of records: the structured case that ran slower than plain (issue 47), the benchmark's own
+# `extract-people`; its prompt carries the schema, without which Qwen2.5-Coder-1.5B answers {"people":[]},
+# and gemma-3-270m answers so with it: the first of these prompts whose answer lists the people is recorded
+PEOPLE_ID = "extract-people"
+PEOPLE_SHORT = (
+    "Extract every person mentioned in this message as JSON with their name, email and phone.\n\n"
+    "Hi team, for the vendor review please contact Dana Whitfield (dana.whitfield@northwind-labs.com, "
+    "+1 415 555 0142) about the contract, Marcus Lee (marcus.lee@northwind-labs.com, +1 415 555 0178) "
+    "about the hiring plan, Priya Raman (priya.raman@northwind-labs.com, +1 628 555 0109) about the budget "
+    "and Tomas Ortega (t.ortega@harbor-freight.io, +1 510 555 0193) about shipping.\n\nJSON:")
+LISTED = 64  # answer tokens at least: a list, not an empty one
+
+
+def _people() -> tuple[str, dict]:
+    """The extract-people prompt and schema of workloads/structured.jsonl."""
+    from ..registry import workloads_path
+    for line in (workloads_path().parent / "structured.jsonl").read_text(encoding="utf-8").splitlines():
+        item = json.loads(line) if line.strip() else {}
+        if item.get("id") == PEOPLE_ID:
+            return item["prompt"], item["schema"]
+    raise UsageError(f"workloads/structured.jsonl has no {PEOPLE_ID!r} prompt")
+
+
+PEOPLE = _people()[1]
 
 SETTINGS = {
     "greedy": Setting("T=0", SamplingParams()),
@@ -118,15 +130,36 @@ def truncated(target: Path, blocks: int) -> Path:
     return draft
 
 
+def _answer(target, tokens: list, structured: bool) -> list:
+    """The target's rows along its greedy answer (appended to `tokens`), under the PEOPLE schema or not."""
+    guide = None
+    if structured:
+        from ..constraints import Constraint, Guide, tokenizer_for
+        guide = Guide(Constraint.build(json_schema=PEOPLE), tokenizer_for(target), target.n_vocab)
+    target.reset()
+    rows = [target.eval(tokens, [len(tokens) - 1])[0]]
+    while len(rows) < (STRUCTURED_ROWS if structured else ROWS):
+        if guide is not None:
+            nxt = greedy_token(rows[-1], guide.allowed())
+            if target.is_eog(nxt):
+                break
+            guide.advance([nxt])
+        else:  # the argmax, an end of generation too: the simulation never ends, its rows are real
+            nxt = greedy_token(rows[-1])
+        tokens.append(nxt)
+        rows.append(target.eval([nxt], [0])[0])
+    return rows
+
+
 def recorded(vocab: Vocab, progress: Optional[Callable[[str], None]] = None, structured: bool = False) -> dict:
     """The rows of `vocab`'s target and draft along the target's greedy answer to PROMPT (ROWS of
-    them), or with `structured` to PEOPLE_PROMPT under the PEOPLE schema (the whole answer, at most
+    them), or with `structured` to the extract-people workload under its schema (the whole answer, at most
     STRUCTURED_ROWS), recorded from the GGUFs on first use and kept under ~/.cache/edgespec/hostcost.
     Row 0 is the prompt's last position."""
     from ..backend import LlamaBackend
     from ..registry import cache_dir
     target_path, draft_path = _paths(vocab)
-    kind = "-people" if structured else ""
+    kind = f"-{PEOPLE_ID}" if structured else ""
     out = cache_dir() / "hostcost" / f"{vocab.name}{kind}-{target_path.stem}-{draft_path.stem}.npz"
     if not out.exists():
         if progress:
@@ -135,27 +168,16 @@ def recorded(vocab: Vocab, progress: Optional[Callable[[str], None]] = None, str
         from ..engine import Engine
         target = LlamaBackend(target_path, n_ctx=1024)
         try:
-            # through the chat template: an instruct model answers at length (a raw prompt may end at once)
-            tokens = Engine(target).chat_tokens([{"role": "user", "content": PEOPLE_PROMPT if structured else PROMPT}])
-            prompt_len = len(tokens)
-            guide = None
-            if structured:
-                from ..constraints import Constraint, Guide, tokenizer_for
-                guide = Guide(Constraint.build(json_schema=PEOPLE), tokenizer_for(target), target.n_vocab)
-            rows = [target.eval(tokens, [len(tokens) - 1])[0]]
-            while len(rows) < (STRUCTURED_ROWS if structured else ROWS):
-                if guide is not None:
-                    nxt = greedy_token(rows[-1], guide.allowed())
-                    if target.is_eog(nxt):
-                        break
-                    guide.advance([nxt])
-                else:  # the argmax, an end of generation too: the simulation never ends, its rows are real
-                    nxt = greedy_token(rows[-1])
-                tokens.append(nxt)
-                rows.append(target.eval([nxt], [0])[0])
+            for text in ((_people()[0], PEOPLE_SHORT) if structured else (PROMPT,)):
+                # through the chat template: an instruct model answers at length (a raw prompt may end at once)
+                tokens = Engine(target).chat_tokens([{"role": "user", "content": text}])
+                prompt_len = len(tokens)
+                rows = _answer(target, tokens, structured)
+                if len(rows) > LISTED:
+                    break
         finally:
             target.close()
-        draft = LlamaBackend(draft_path, n_ctx=512)
+        draft = LlamaBackend(draft_path, n_ctx=1024)
         try:
             drows = draft.eval(tokens, list(range(prompt_len - 1, len(tokens))))
         finally:

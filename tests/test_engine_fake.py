@@ -228,3 +228,46 @@ def test_a_stream_left_by_a_break_gives_its_place_back_to_another_thread():
     t.join(10)
     assert got == [[1, 2, 3]], "a request from another thread waited for a stream nobody holds"
     eng.close()
+
+
+def _settled(stats, timeout=5.0):
+    """stats.generated once it has stopped growing (the loop is idle)."""
+    import time
+    last, since, end = -1, time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < end:
+        n = stats.generated
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since > 0.3:
+            return n
+        time.sleep(0.01)
+    raise AssertionError("the loop never went idle")
+
+
+def test_a_stream_alone_reads_one_round_ahead_and_no_further():
+    """Alone, a generation's next round runs while its reader takes the last one's tokens (issue 47), but no
+    round runs while its queue holds more than the last round's tokens: a stream nobody reads stops with at
+    most two rounds unread (one before the read-ahead)."""
+    eng = engine(draft=False)  # plain decoding: a round commits one token
+    s = eng.stream("0", max_tokens=40)
+    it = iter(s)
+    next(it)
+    assert 2 <= _settled(s.stats) <= 3  # the token read, then one or two rounds (as the reader raced the loop)
+    assert 1 <= len(s.generation.out) <= 2
+    for _ in range(5):
+        next(it)
+    assert 7 <= _settled(s.stats) <= 8
+    assert 1 <= len(s.generation.out) <= 2
+    s.close()
+
+
+def test_beside_another_no_round_runs_ahead_of_a_reader():
+    eng = Engine(PieceBackend(CHAIN, n_seq=2), None, parallel=2)
+    a, b = eng.stream("0", max_tokens=40), eng.stream("1", max_tokens=40)
+    next(iter(a))
+    next(iter(b))
+    na, nb = _settled(a.stats), _settled(b.stats)
+    # each took part in the rounds the other's reads asked for, but none ran for a queue already holding tokens
+    assert max(len(a.generation.out), len(b.generation.out)) <= 2 and na <= 3 and nb <= 3
+    a.close()
+    b.close()

@@ -367,16 +367,6 @@ class LlamaBackend:
             n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, special)
         return list(buf[:n])
 
-    @property
-    def busy_host(self) -> bool:
-        """Whether a pass computes on this machine's CPU: not every layer on a GPU, no rpc-server."""
-        if self.remote:
-            return False
-        if not self.settings.get("gpu_offload"):
-            return True
-        n = self.settings.get("n_gpu_layers", 0)
-        return 0 <= n < int(_llama().llama_model_n_layer(self._model))
-
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """The token's bytes. Thread-safe: several streams detokenize at once (a buffer per thread)."""
         L = _llama()

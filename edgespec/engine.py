@@ -252,9 +252,6 @@ class Engine(PromptBuilder):
         self._readers_idle = threading.Condition()
         self.cache = cache
         self.sequences = Sequences(target, draft, cache, self.parallel)
-        # a generation alone reads one round ahead (`_wanted`) only where the passes leave this CPU free: on
-        # a CPU its reader would take a core from llama.cpp's threads in the middle of a pass
-        self._read_ahead = not any(getattr(b, "busy_host", False) for b in (target, draft) if b is not None)
         self.lost: Optional[BaseException] = None  # the target's rpc-server was lost (edgespec/rpc.py)
         self._unwatch = None
         if getattr(target, "remote", None):
@@ -554,17 +551,16 @@ class Engine(PromptBuilder):
     def _wanted(self) -> bool:
         """Whether a turn of the loop is wanted: a running generation has no committed token left to
         read, or was cancelled (its place is given back). A generation running alone reads ahead by
-        one round where the passes leave this CPU free (a GPU, an rpc-server: `busy_host` false): its
-        next round runs while its reader takes the last one's tokens (a GPU's step would otherwise wait
-        for the reader's wake-up and detokenizing every round, issue 47), so a stream nobody reads stops
-        one round later. Beside others a generation takes part in their
+        one round: its next round runs while its reader takes the last one's tokens (a GPU's step
+        would otherwise wait for the reader's wake-up and detokenizing every round, issue 47), so a
+        stream nobody reads stops one round later. Beside others a generation takes part in their
         rounds (its queue grows up to its max_tokens, as before the loop), and no round runs ahead of
         the readers, so that the order of rounds and reads does not depend on timing
         (tests/test_parallel_fake.py relies on it)."""
         with self._admission:
             gens = [a.generation for a in self._active if a.generation is not None and not a.generation.finished]
-        ahead = self._read_ahead and len(gens) == 1
-        return any(not g.out or g.cancel.is_set() or (ahead and len(g.out) <= g.last_round) for g in gens)
+        alone = len(gens) == 1
+        return any(not g.out or g.cancel.is_set() or (alone and len(g.out) <= g.last_round) for g in gens)
 
     def _loop(self) -> None:
         """One turn of the engine's loop, on the llama.cpp thread: a round for every admitted

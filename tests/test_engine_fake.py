@@ -271,20 +271,3 @@ def test_beside_another_no_round_runs_ahead_of_a_reader():
     assert max(len(a.generation.out), len(b.generation.out)) <= 2 and na <= 3 and nb <= 3
     a.close()
     b.close()
-
-
-def test_on_a_cpu_no_round_reads_ahead(smol):
-    """Where llama.cpp computes a pass on this CPU, a reader running beside it would take a core from its
-    threads: the engine reads ahead only where the passes leave the CPU free (a GPU, an rpc-server)."""
-    from edgespec.backend import LlamaBackend
-    target = LlamaBackend(smol, n_ctx=256, n_gpu_layers=0)
-    try:
-        assert target.busy_host
-        eng = Engine(target)
-        assert not eng._read_ahead
-        s = eng.stream(eng.chat_tokens([{"role": "user", "content": "Count to ten."}]), max_tokens=20)
-        next(iter(s))
-        assert _settled(s.stats) == 1  # one token read, none ahead
-        s.close()
-    finally:
-        target.close()

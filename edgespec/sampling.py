@@ -153,26 +153,27 @@ def _columns(z: np.ndarray, k: int) -> Optional[tuple]:
     if body // step < 4 * k:
         return None
     cols = z[:body].reshape(step, -1).max(axis=0)
-    m = cols.max() if body == z.size else max(cols.max(), z[body:].max())
+    m = cols.max() if body == z.size else np.maximum(cols.max(), z[body:].max())  # a NaN carried through
     return m, np.partition(cols, cols.size - k)[cols.size - k]
 
 
-def _cut(w: np.ndarray, lo: float, hi: float) -> Optional[np.ndarray]:
-    """Positions in w of its largest entries, in descending order (ties: the lower position first),
-    up to the first whose running sum reaches `lo`; None when the cut for `hi` would be another
-    one (or w does not reach hi); hi <= lo: w is the whole row, the cut is lo's. Only the head is
-    sorted, grown by 8x until its sum reaches hi."""
+def _cut(w: np.ndarray, lo: float, hi: float, z: np.ndarray) -> Optional[np.ndarray]:
+    """Positions in w of its largest entries, in descending order of their logits `z` (float32
+    exponentials can tie where the logits do not; ties: the lower position first), up to the first whose
+    running sum reaches `lo`; None when the cut for `hi` would be another one (or w does not reach hi);
+    hi <= lo: w is the whole row, the cut is lo's. Only the head is sorted, grown by 8x until its sum
+    reaches hi; a head takes every token tied with its last."""
     count = min(64, w.size)
     while True:
-        if count < w.size:
-            top = np.sort(np.argpartition(-w, count - 1)[:count])  # ascending positions, then a stable
-            top = top[np.argsort(-w[top], kind="stable")]          # sort by weight: ties to the lowest id
+        if count < w.size:  # the count largest, and all tied with the last of them, in ascending positions
+            top = np.flatnonzero(z >= np.partition(z, z.size - count)[z.size - count])
         else:
-            top = np.argsort(-w, kind="stable")
+            top = np.arange(w.size)
+        top = top[np.argsort(-z[top], kind="stable")]  # stable: ties to the lowest id
         cum = np.cumsum(w[top])
-        if cum[-1] >= hi or count == w.size:
+        if cum[-1] >= hi or top.size == w.size:
             break
-        count = min(count * 8, w.size)
+        count = min(max(count * 8, top.size + 1), w.size)
     j = int(np.searchsorted(cum, lo))
     if hi <= lo:  # exact: the whole row's sum (its rounding may leave the last token just short)
         return top[:min(j, cum.size - 1) + 1]
@@ -181,10 +182,10 @@ def _cut(w: np.ndarray, lo: float, hi: float) -> Optional[np.ndarray]:
     return top[:j + 1]
 
 
-def _top_p_cut(e: np.ndarray, outside: float, top_p: float) -> Optional[np.ndarray]:
-    """Positions in `e` (float32 weights exp(z - max), by ascending token id, the maximum's among them)
-    of top-p's cut, the rest of the row weighing between 0 and `outside`; None when the bracket or the
-    rounding could move it."""
+def _top_p_cut(e: np.ndarray, z: np.ndarray, outside: float, top_p: float) -> Optional[np.ndarray]:
+    """Positions in `e` (float32 weights exp(z - max) of logits `z`, by ascending token id, the maximum's
+    among them) of top-p's cut, the rest of the row weighing between 0 and `outside`; None when the
+    bracket or the rounding could move it."""
     inside = float(e.sum(dtype=np.float64))
     err = 2 * (inside + outside) * _EXP32_ERROR  # float32 exponentials, within a few ulp
     lo, hi = top_p * (inside - err), top_p * (inside + outside + err)
@@ -192,10 +193,10 @@ def _top_p_cut(e: np.ndarray, outside: float, top_p: float) -> Optional[np.ndarr
         sub = np.flatnonzero(e >= np.float32(math.exp(-d))) if d != np.inf else None
         if sub is None or float(e[sub].sum(dtype=np.float64)) > hi:
             break
-    got = _cut((e if sub is None else e[sub]).astype(np.float64), lo, hi)
-    if got is None:
-        return None
-    return got if sub is None else sub[got]
+    if sub is None:
+        return _cut(e.astype(np.float64), lo, hi, z)
+    got = _cut(e[sub].astype(np.float64), lo, hi, z[sub])
+    return None if got is None else sub[got]
 
 
 def _top_p(z: np.ndarray, m: float, top_p: float) -> np.ndarray:
@@ -216,16 +217,17 @@ def _top_p(z: np.ndarray, m: float, top_p: float) -> np.ndarray:
             if 4 * head.size > n:
                 break
             outside = (n - within) * math.exp(-far) + (within - head.size) * math.exp(-near) * (d < far)
-            got = _top_p_cut(np.exp(z[head] - m), outside, top_p)
+            zh = z[head]
+            got = _top_p_cut(np.exp(zh - m), zh, outside, top_p)
             if got is not None:
                 return head[got]
         e = np.subtract(z, m, out=_scratch_of("exp", n, np.float32))
-        got = _top_p_cut(np.exp(e, out=e), 0.0, top_p)
+        got = _top_p_cut(np.exp(e, out=e), z, 0.0, top_p)
         if got is not None:
             return got
-    w = np.exp((z - m).astype(np.float64))
+    w = np.exp(z.astype(np.float64) - np.float64(m))
     mass = top_p * float(w.sum())
-    return _cut(w, mass, mass)
+    return _cut(w, mass, mass, z)
 
 
 def row_law(row: np.ndarray, params: "SamplingParams", width: Optional[int] = None,

@@ -246,3 +246,42 @@ def test_greedy_token_is_the_first_maximum_among_the_allowed():
         greedy_token(np.array([1.0, np.nan, 0.0], np.float32))
     # a NaN where the mask forbids it is never read
     assert greedy_token(np.array([1.0, np.nan, 0.0], np.float32), np.array([1, 0, 1], bool)) == 0
+
+
+def test_a_nan_anywhere_in_a_large_row_is_refused_under_top_k():
+    """The column pass that finds top-k's floor must carry a NaN through, wherever it lies (here in the
+    tail a vocabulary of 151,943 tokens leaves outside the 128 columns)."""
+    from edgespec.sampling import row_law
+    z = np.random.default_rng(0).standard_normal(151_943).astype(np.float32)
+    z[-1] = np.nan
+    with pytest.raises(FloatingPointError):
+        row_law(z, SamplingParams(1.0, top_k=40))
+    z = np.random.default_rng(0).standard_normal(5_000).astype(np.float32)
+    z[-3] = np.nan
+    with pytest.raises(FloatingPointError):
+        row_law(z, SamplingParams(1.0, top_k=10))
+
+
+@pytest.mark.parametrize("n_vocab", [1_000, 151_936])
+def test_top_p_ties_across_the_first_sorted_head_go_to_the_lowest_ids(n_vocab):
+    """200 tokens tied at one value, more than the 64 the cut sorts first: which of them are kept is the
+    lowest ids', not whichever a partition happened to pick."""
+    rng = np.random.default_rng(1)
+    z = np.full(n_vocab, -30.0, np.float32)
+    z[rng.choice(n_vocab, 10, replace=False)] = np.log(10.0)
+    rest = np.flatnonzero(z == -30.0)
+    z[rng.choice(rest, 200, replace=False)] = 0.0
+    w = np.exp(z.astype(np.float64))
+    params = SamplingParams(1.0, top_p=float((100 + 49.5) / w.sum()))
+    _same_law(warp(z, params), _reference(z, params))
+
+
+@pytest.mark.parametrize("n_vocab", [5_000, 151_936])
+def test_top_p_orders_by_the_logits_where_float32_exponentials_tie(n_vocab):
+    z = np.full(n_vocab, -40.0, np.float32)
+    z[5] = np.float32(0.25)
+    z[3] = np.nextafter(np.float32(0.25), np.float32(0))  # one float32 step below: the same float32 weight
+    params = SamplingParams(1.0, top_p=0.3)
+    got, want = warp(z, params), _reference(z, params)
+    assert np.flatnonzero(want).tolist() == [5]
+    _same_law(got, want)

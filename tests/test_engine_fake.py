@@ -253,7 +253,7 @@ def test_a_stream_alone_reads_one_round_ahead_and_no_further():
     s = eng.stream("0", max_tokens=40)
     it = iter(s)
     next(it)
-    assert 2 <= _settled(s.stats, at_least=2) <= 3  # the token read, then one or two rounds (as the reader raced the loop)
+    assert 2 <= _settled(s.stats, at_least=2) <= 3  # the token read, then one or two rounds (reader and loop race)
     assert 1 <= len(s.generation.out) <= 2
     for _ in range(5):
         next(it)

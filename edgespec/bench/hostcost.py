@@ -16,6 +16,7 @@ Beside it, per row, the host time of edgespec's law and draw against llama.cpp's
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -60,7 +61,11 @@ VOCABS = {
 class Setting:
     name: str
     params: SamplingParams
-    schema: Optional[dict] = None
+    structured: bool = False  # under the extract-people schema
+
+    @property
+    def schema(self) -> Optional[dict]:
+        return _people()[1] if self.structured else None
 
 
 # a list of records: the structured case that ran slower than plain (issue 47), the benchmark's own
@@ -76,6 +81,7 @@ PEOPLE_SHORT = (
 LISTED = 64  # answer tokens at least: a list, not an empty one
 
 
+@functools.lru_cache(maxsize=1)
 def _people() -> tuple[str, dict]:
     """The extract-people prompt and schema of workloads/structured.jsonl."""
     from ..registry import workloads_path
@@ -86,14 +92,12 @@ def _people() -> tuple[str, dict]:
     raise UsageError(f"workloads/structured.jsonl has no {PEOPLE_ID!r} prompt")
 
 
-PEOPLE = _people()[1]
-
 SETTINGS = {
     "greedy": Setting("T=0", SamplingParams()),
     "top-p": Setting("T=0.8 top-p 0.95", SamplingParams(temperature=0.8, top_p=0.95)),
     "top-k": Setting("T=0.7 top-k 40 top-p 0.9", SamplingParams(temperature=0.7, top_k=40, top_p=0.9)),
     "min-p": Setting("T=0.8 min-p 0.05", SamplingParams(temperature=0.8, min_p=0.05)),
-    "schema": Setting("T=0 JSON schema", SamplingParams(), PEOPLE),
+    "schema": Setting("T=0 JSON schema", SamplingParams(), structured=True),
 }
 
 
@@ -131,11 +135,11 @@ def truncated(target: Path, blocks: int) -> Path:
 
 
 def _answer(target, tokens: list, structured: bool) -> list:
-    """The target's rows along its greedy answer (appended to `tokens`), under the PEOPLE schema or not."""
+    """The target's rows along its greedy answer (appended to `tokens`), under the extract-people schema or not."""
     guide = None
     if structured:
         from ..constraints import Constraint, Guide, tokenizer_for
-        guide = Guide(Constraint.build(json_schema=PEOPLE), tokenizer_for(target), target.n_vocab)
+        guide = Guide(Constraint.build(json_schema=_people()[1]), tokenizer_for(target), target.n_vocab)
     target.reset()
     rows = [target.eval(tokens, [len(tokens) - 1])[0]]
     while len(rows) < (STRUCTURED_ROWS if structured else ROWS):

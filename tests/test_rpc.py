@@ -3,7 +3,6 @@
 what a lost or absent server does to `run`, `serve` and the library."""
 from __future__ import annotations
 
-import signal
 import socket
 import subprocess
 import sys
@@ -15,56 +14,22 @@ import httpx
 import pytest
 
 from edgespec import rpc
+from edgespec.bench.llama_server import _free_port
+from edgespec.bench.rpc import LocalRpcServer
 from edgespec.errors import UsageError
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.skipif(not rpc.available(), reason="llama-cpp-python built without GGML_RPC: make llama")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RpcServer:
-    """`python -m edgespec rpc-server` on a free loopback port; `kill()` ends it as a crash would."""
-
-    def __init__(self, tmp: Path, port: int | None = None):
-        self.port = port or _free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
-        self.log = tmp / f"rpc-{self.port}-{time.monotonic_ns()}.log"
-        self._fh = open(self.log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "edgespec", "rpc-server", "--port", str(self.port),
-                                      "--threads", "1"], stdout=self._fh, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                rpc.hello(self.endpoint, timeout=2)
-                return
-            except rpc.RemoteError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"the rpc-server did not start:\n{self.log.read_text()}")
-                time.sleep(0.1)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                return self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
+def rpc_server(tmp: Path, port: int | None = None) -> LocalRpcServer:
+    """`python -m edgespec rpc-server` (one thread) on a loopback port, its log in `tmp`."""
+    return LocalRpcServer(1, tmp / f"rpc-{port or 'free'}-{time.monotonic_ns()}.log", port)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = RpcServer(tmp_path_factory.mktemp("rpc"))
+    srv = rpc_server(tmp_path_factory.mktemp("rpc"))
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
 
@@ -194,7 +159,7 @@ print("closed", flush=True)
 
 
 def test_a_server_killed_mid_answer_ends_the_answer_with_an_error_not_the_process(tmp_path, smol):
-    srv = RpcServer(tmp_path)
+    srv = rpc_server(tmp_path)
     script = tmp_path / "kill.py"
     script.write_text(KILL_SCRIPT)
     p = subprocess.Popen([sys.executable, str(script), str(smol), srv.endpoint], stdin=subprocess.PIPE,
@@ -214,7 +179,7 @@ def test_a_server_killed_mid_answer_ends_the_answer_with_an_error_not_the_proces
 
 
 def test_serve_answers_503_while_its_server_is_away_and_serves_again_when_it_is_back(tmp_path, smol):
-    srv = RpcServer(tmp_path)
+    srv = rpc_server(tmp_path)
     # one sequence and the prompt cache on: the first conversation is saved to the cache when the
     # second takes its sequence, and it must come back from there after the loss
     app = ServerProcess(["--target", str(smol), "--drafter", "none", "--ctx", "512", "--parallel", "1",
@@ -252,7 +217,7 @@ def test_serve_answers_503_while_its_server_is_away_and_serves_again_when_it_is_
             refused = c.post("/v1/messages", json={"model": "m", "max_tokens": 4,
                                                    "messages": [{"role": "user", "content": "hi"}]})
             assert refused.status_code == 503 and refused.json()["type"] == "error", refused.text  # Anthropic's shape
-            back = RpcServer(tmp_path, port=srv.port)
+            back = rpc_server(tmp_path, port=srv.port)
             try:
                 deadline = time.monotonic() + 180
                 while c.get("/health").status_code != 200:
@@ -277,7 +242,7 @@ def test_serve_answers_503_while_its_server_is_away_and_serves_again_when_it_is_
 
 def test_serve_stops_at_once_when_its_server_went_away_unnoticed(tmp_path, smol):
     """Nothing computed since the server left: the shutdown's frees meet the loss, and do not hang."""
-    srv = RpcServer(tmp_path)
+    srv = rpc_server(tmp_path)
     app = ServerProcess(["--target", str(smol), "--drafter", "none", "--ctx", "512", "--cache-ram", "0",
                          "--rpc", srv.endpoint], tmp_path)
     try:
@@ -292,7 +257,7 @@ def test_serve_stops_at_once_when_its_server_went_away_unnoticed(tmp_path, smol)
 
 
 def test_run_whose_server_is_killed_mid_answer_exits_1_with_one_line(tmp_path, smol):
-    srv = RpcServer(tmp_path)
+    srv = rpc_server(tmp_path)
     p = subprocess.Popen([sys.executable, "-m", "edgespec", "run", "--target", str(smol), "--drafter", "none",
                           "--ctx", "512", "--rpc", srv.endpoint, "--raw", "--max-tokens", "440",
                           "--prompt", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],

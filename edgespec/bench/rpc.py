@@ -48,7 +48,6 @@ import dataclasses
 import json
 import math
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import BackendError, UsageError
+from .llama_server import _free_port
 
 DEFAULT_OUT = "bench-results/bench-rpc.json"
 MODES = ("plain", "auto")
@@ -98,18 +98,13 @@ def check(settings, opts) -> None:
 
 
 # -- the servers --------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalRpcServer:
-    """`python -m edgespec rpc-server` on a free loopback port, until `stop()`."""
+    """`python -m edgespec rpc-server` on a loopback port (a free one unless given), until `stop()`;
+    `kill()` ends it as a crash would. The benchmark's, and the tests' (tests/test_rpc.py)."""
 
-    def __init__(self, threads: int, log: Path):
+    def __init__(self, threads: int, log: Path, port: Optional[int] = None):
         from .. import rpc
-        self.port = _free_port()
+        self.port = port or _free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +130,13 @@ class LocalRpcServer:
             self.stop()
             raise
 
-    def stop(self) -> None:
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> int:
+        """Its exit code (0: it stopped cleanly)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # it frees what it holds and says "stopped"
             try:
@@ -144,6 +145,7 @@ class LocalRpcServer:
                 self.proc.kill()
                 self.proc.wait()
         self._fh.close()
+        return self.proc.returncode
 
 
 class Proxies:

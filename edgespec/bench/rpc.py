@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import BackendError, UsageError
-from .llama_server import _free_port
+from .llama_server import _free_port, _median
 
 DEFAULT_OUT = "bench-results/bench-rpc.json"
 MODES = ("plain", "auto")
@@ -422,11 +422,6 @@ def _per_token(rows: list[dict]) -> dict:
     rt, up, down = (sum(r[f"decode_{k}"] for r in rows) for k in TRAFFIC)
     return {"round_trips_per_token": round(rt / tokens, 3), "up_bytes_per_token": round(up / tokens, 1),
             "down_bytes_per_token": round(down / tokens, 1), "kb_per_token": round((up + down) / tokens / 1000, 3)}
-
-
-def _median(xs) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def summarize(level: dict) -> dict:

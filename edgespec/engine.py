@@ -668,13 +668,7 @@ class Engine(PromptBuilder):
                     text += decoder.decode(t.token_to_piece(token))
                 hit, matched = min(((i, s) for s in stop for i in (text.find(s),) if i >= 0), default=(-1, ""))
                 if hit >= 0:
-                    with rounds._finishing:  # a round emitting now sees it ended, or is counted out here
-                        if not (gen.finished and gen.cancel.is_set()):  # "cancelled" was said: it stays
-                            rounds.finish(gen, "stop", force=True)
-                            gen.stats.stop_sequence = matched
-                        # the answer is the tokens up to the stop string: those committed after it (a
-                        # round that ran while these were read) are not part of it (rounds._emit)
-                        gen.stats.generated = min(gen.stats.generated, read)
+                    rounds.stop_at(gen, matched, read)
                     yield StreamEvent(text[:hit], token, from_draft)
                     text = ""
                     break

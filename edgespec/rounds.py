@@ -194,6 +194,17 @@ def finish(g: Generation, reason: Optional[str], force: bool = False) -> None:
         _finish(g, reason, force)
 
 
+def stop_at(g: Generation, matched: str, read: int) -> None:
+    """Its reader found stop string `matched` in the first `read` tokens: the generation ends there,
+    "stop" (unless "cancelled" was said), and the tokens committed after them (a round that ran while
+    they were read) are not part of the answer. Atomic against a round emitting (`_emit`)."""
+    with _finishing:
+        if not (g.finished and g.cancel.is_set()):
+            _finish(g, "stop", force=True)
+            g.stats.stop_sequence = matched
+        g.stats.generated = min(g.stats.generated, read)
+
+
 def _finish(g: Generation, reason: Optional[str], force: bool) -> None:
     if force and reason is not None:
         g.stats.finish_reason = reason
@@ -333,7 +344,7 @@ def _commit(g: Generation, target, draft: Draft, inner: Draft, n_forced: int, lo
     count(st, draft, n, n_forced, inner.source, timing.verify_seconds + timing.draft_seconds)
     if g.drafter is not None:
         g.drafter.observe(Round(tokens=g.tokens, draft=inner, accepted=max(0, n - n_forced), **timing._asdict()))
-    with _finishing:  # atomic against a reader ending it at a stop string (engine._events): its count holds
+    with _finishing:  # atomic against a reader ending it at a stop string (stop_at): its count holds
         _emit(g, target, new, n)
 
 

@@ -552,14 +552,17 @@ class Engine(PromptBuilder):
         """Whether a turn of the loop is wanted: a running generation has no committed token left to
         read, or was cancelled (its place is given back). A generation running alone reads ahead by
         one round: its next round runs while its reader takes the last one's tokens (a GPU's step
-        would otherwise wait for the reader's wake-up and detokenizing every round, issue 47), so a
-        stream nobody reads stops one round later. Beside others a generation takes part in their
+        would otherwise wait for the reader's wake-up and detokenizing every round, issue 47), and its
+        reader asks for the round ahead again as it takes tokens (`reads_ahead`, `_tokens`); a stream
+        nobody reads stops one round later. Beside others a generation takes part in their
         rounds (its queue grows up to its max_tokens, as before the loop), and no round runs ahead of
         the readers, so that the order of rounds and reads does not depend on timing
         (tests/test_parallel_fake.py relies on it)."""
         with self._admission:
             gens = [a.generation for a in self._active if a.generation is not None and not a.generation.finished]
         alone = len(gens) == 1
+        for g in gens:
+            g.reads_ahead = alone
         return any(not g.out or g.cancel.is_set() or (alone and len(g.out) <= g.last_round) for g in gens)
 
     def _loop(self) -> None:
@@ -642,7 +645,10 @@ class Engine(PromptBuilder):
         while True:
             finished = gen.finished  # read before the queue: a round may commit its last tokens and
             if gen.out:              # finish between the two reads, and none of them is lost
-                yield gen.out.popleft()
+                token = gen.out.popleft()
+                if gen.reads_ahead and len(gen.out) <= gen.last_round and not finished:
+                    self._kick()  # room for the round ahead again (the loop stopped with two queued)
+                yield token
             elif finished:
                 if gen.error is not None:
                     error, gen.error = gen.error, None

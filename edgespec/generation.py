@@ -105,6 +105,7 @@ class Generation:
     cancel: threading.Event = field(default_factory=threading.Event)
     out: deque = field(default_factory=deque)  # committed (token, from_draft) its stream has not taken
     last_round: int = 0             # how many of those its last round added (engine._wanted reads ahead by one)
+    reads_ahead: bool = False       # it runs alone: its reader asks for the round ahead as it takes tokens
     restored: Optional[bool] = None  # its prompt's prefix came back from the prompt cache (None: no sequence
                                      # yet, or its first piece is in and the stats say it)
     carry: Optional[np.ndarray] = None         # the prompt's last row, for the first round (rounds._feed)

@@ -22,7 +22,17 @@ def _compile(source: str):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     return env.from_string(source)
+
+
+def tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """`tojson` as chat templates were written and trained for (Hugging Face's apply_chat_template,
+    llama.cpp's minja): keys in their order, text as it is. Jinja's own filter sorts keys and writes
+    <, >, & and ' as \\u escapes, for HTML: a tool's schema and a call's arguments would reach the
+    model in a form it never saw (and differ from what llama-server renders)."""
+    import json
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 # The roles chat templates are written for. Any other role text would reach the template (and

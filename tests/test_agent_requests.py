@@ -176,3 +176,30 @@ def test_a_forced_tool_choice_with_every_tool_passed_over_is_refused_not_dropped
     with pytest.raises(ApiError, match="tool_choice needs tools"):
         responses.ResponsesRequest.model_validate({"input": "hi", "tools": [{"type": "web_search"}],
                                                    "tool_choice": "required"}).chat().engine_request(1024)
+
+
+def test_claude_codes_billing_header_is_left_out_so_sessions_share_a_prefix():
+    """Claude Code puts `x-anthropic-billing-header: cc_version=2.1.197.<3 hex>; ...` first in system,
+    its suffix different in each session (recorded: 123, ece, 3bb): left in, no two sessions' prompts
+    would share even their first token, and the prompt cache could keep nothing across sessions."""
+    def system_of(version: str) -> str:
+        body = json.loads(json.dumps(CLAUDE["body"]))
+        body["system"][0]["text"] = f"x-anthropic-billing-header: cc_version=2.1.197.{version}; cc_entrypoint=sdk-cli;"
+        return messages(body).chat().messages[0].content
+    assert system_of("123") == system_of("3bb")
+    assert "billing" not in system_of("123") and system_of("123").startswith("You are a Claude agent")
+    # a system prompt that merely begins with other text keeps every block
+    body = dict(CLAUDE["body"], system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}])
+    assert messages(body).chat().messages[0].content == "Be brief.\nBe kind."
+
+
+def test_tojson_writes_json_as_templates_expect_it():
+    """Chat templates' `tojson` as Hugging Face's apply_chat_template and llama.cpp define it: keys in
+    their order and text as is. Jinja's own sorted the keys of every tool schema and wrote <, >, &
+    and ' as \\u escapes: Claude Code's tools rendered 650 tokens longer than llama-server renders them."""
+    tools = [{"type": "function", "function": {"name": "Bash", "description": "Run <cmd> & 'quote' it — é",
+                                                "parameters": {"type": "object", "required": ["cmd"]}}}]
+    text = render("{{ tools | tojson }}", [{"role": "user", "content": "x"}], tools=tools)
+    assert text == json.dumps(tools, ensure_ascii=False)
+    assert render("{{ x | tojson(indent=2) }}", [{"role": "user", "content": "x"}], x={"b": 1, "a": [1]}) == \
+        json.dumps({"b": 1, "a": [1]}, indent=2)

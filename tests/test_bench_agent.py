@@ -74,3 +74,74 @@ def test_a_refused_request_is_reported_and_left_out_of_the_ratios():
     assert s["edgespec none"]["common_s"] == 110.0 and s["edgespec none"]["total_s"] == 160.0
     assert abs(s["edgespec none"]["vs_llama_server_best"] - 110.0 / 90.0) < 1e-9
     assert "every server answered" in format_table(s)
+
+
+def test_both_accept_gives_every_server_the_codex_session_it_can_read():
+    """llama-server refuses Codex's `additional_tools` item (400) and leaves out its `namespace` tool,
+    which edgespec flattens: with --peer every server gets the requests without them (the item's
+    tools moved to `tools`, a namespace's functions offered one by one), so that both render the
+    same prompt."""
+    from edgespec.bench.agent import both_accept, load_session, session_path
+    session = load_session(session_path("codex"))
+    common, changed = both_accept(session)
+    assert len(common) == len(session) and session[2]["body"]["input"][0]["type"] == "additional_tools"
+    for turn in common:
+        assert {i.get("type", "message") for i in turn["body"]["input"]} <= {"message", "function_call",
+                                                                            "function_call_output"}
+        assert {t["type"] for t in turn["body"]["tools"]} == {"function"}
+    assert "spawn_agent" in [t["name"] for t in common[0]["body"]["tools"]]  # multi_agent_v1's, flattened
+    moved = [t["name"] for t in common[2]["body"]["tools"]]
+    assert moved and "exec_command" not in moved  # the side request's own tools, not the main one's
+    assert any("additional_tools" in c for c in changed) and any("namespace" in c for c in changed)
+    assert session[2]["body"]["input"][0]["type"] == "additional_tools"  # the recorded bodies untouched
+
+
+def test_both_accept_joins_claude_codes_system_blocks_as_edgespec_reads_them():
+    from edgespec.bench.agent import both_accept, load_session, session_path
+    from edgespec.server.anthropic import MessagesRequest
+    session = load_session(session_path("claude-code"))
+    common, changed = both_accept(session)
+    for turn, mine in zip(session, common):
+        assert isinstance(mine["body"]["system"], str) and not mine["body"]["system"].startswith("x-anthropic")
+        # edgespec reads both forms alike: the change only spells out how it reads the recorded one
+        assert MessagesRequest.model_validate(turn["body"]).chat().messages == \
+            MessagesRequest.model_validate(mine["body"]).chat().messages
+
+
+def test_the_shipped_claude_code_session_reads_rewrites_and_asks_for_a_title():
+    from edgespec.bench.agent import load_session, session_path
+    session = load_session(session_path("claude-code"))
+    assert len(session) == 6 and {t["path"] for t in session} == {"/v1/messages"}
+    assert not session[0]["body"].get("tools") and "title" in json.dumps(session[0]["body"]["system"])
+    calls = [b for m in session[-1]["body"]["messages"] if m["role"] == "assistant"
+             for b in (m["content"] if isinstance(m["content"], list) else []) if b.get("type") == "tool_use"]
+    assert [c["name"] for c in calls][:2] == ["Read", "Write"]
+    assert "def most_valuable" in calls[1]["input"]["content"]  # the file read, written again
+
+
+def test_llama_servers_counts_in_message_start_are_read():
+    """llama-server says a Messages answer's prompt and cached tokens in message_start only; edgespec
+    says them again in message_delta. Either way the report has them."""
+    from edgespec.bench.agent import _usage
+    usage = {}
+    for ev in ({"type": "message_start", "message": {"usage": {"cache_read_input_tokens": 3000, "input_tokens": 113,
+                                                               "output_tokens": 0}}},
+               {"type": "message_delta", "usage": {"output_tokens": 42}}):
+        usage.update(_usage(ev) or {})
+    assert usage == {"input": 3113, "cached": 3000, "output": 42}
+    usage = {}
+    for ev in ({"type": "message_start", "message": {"usage": {"input_tokens": 3113, "output_tokens": 0}}},
+               {"type": "message_delta", "usage": {"output_tokens": 42, "input_tokens": 113,
+                                                   "cache_read_input_tokens": 3000}}):
+        usage.update(_usage(ev) or {})
+    assert usage == {"input": 3113, "cached": 3000, "output": 42}
+
+
+def test_each_request_is_shown_per_server_with_differing_counts_said():
+    from edgespec.bench.agent import format_requests, per_request
+    row = lambda p, c, o: {"ttft": 1.0, "total": 2.0, "output_tokens": o, "prompt_tokens": p, "cached": c}  # noqa: E731
+    rows = per_request({"edgespec auto": [row(3113, 0, 40), row(3630, 3072, 500)],
+                        "llama-server ngram-mod": [row(3113, 0, 40), row(3630, 3113, 497)]})
+    assert [(r["same_prompt"], r["same_output"]) for r in rows] == [(True, True), (True, False)]
+    text = format_requests(rows)
+    assert "request 2: the servers' output token counts differ" in text and "request 1:" not in text

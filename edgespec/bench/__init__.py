@@ -155,9 +155,10 @@ def add_arguments(p) -> None:
                    help="instead: llama.cpp's llama-server (plain, draft-simple, ngram-mod) beside edgespec serve "
                    "(none, auto) on the same GGUFs through the same endpoint, interleaved; --trials defaults to 2 "
                    "(bench/llama_server.py)")
-    p.add_argument("--agent-session", default=None, metavar="FILE",
-                   help=f"with --kinds {AGENT}: the session to replay, as `serve --record FILE` wrote it "
-                   "(default: the one shipped in workloads/agent-session.jsonl)")
+    p.add_argument("--agent-session", default=None, metavar="FILE|NAME",
+                   help=f"with --kinds {AGENT}: the session to replay, as `serve --record FILE` wrote it, or a "
+                   "shipped one: codex (the default; workloads/agent-session.jsonl) or claude-code "
+                   "(workloads/agent-session-claude.jsonl)")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, metavar="T",
                    help="sample every mode at T (default 0: greedy, each answer compared with plain decoding's; "
                    "at T > 0 trial t of every mode uses seed t, and answers differ by design)")

@@ -11,10 +11,17 @@ bodies are replayed as recorded, so every server reads the same conversation wha
     llama-server ngram-mod   with --peer llama-server: llama.cpp's server, its prompt cache on as it
     llama-server draft       runs by default, n-gram drafting / the draft model; "best" is the faster
 
-Per request: the time to its first content event (TTFT: its prompt's evaluation, what the prompt cache
-kept, the queue), its decode rate (output tokens over the time after the first event), and its total;
-per server the session's total time. Ratios are to edgespec none, and with --peer to llama-server's
-faster mode, in the same run. Minutes per server on a CPU: an agent's first prompt is ~20,000 tokens.
+Per request: its prompt's tokens and how many of them came from the server's cache, the time to its
+first content event (TTFT: its prompt's evaluation, the queue), its decode rate (output tokens over the
+time after the first event), its total, and its output tokens side by side (at T = 0 on the same
+rendered prompt the servers should write the same answer: a difference is shown, not hidden); per
+server the session's total time. Ratios are to edgespec none, and with --peer to llama-server's faster
+mode, in the same run. Minutes per server on a CPU: an agent's first prompt is 3,000-23,000 tokens.
+
+With --peer every server gets the session in a form both accept and render alike (`both_accept`): what
+only edgespec reads (Codex's `namespace` tool and `additional_tools` input item, Claude Code's system
+blocks) is written as edgespec reads it, in fields llama-server reads the same way; the report lists
+what was changed. Without --peer the bodies go as recorded.
 """
 from __future__ import annotations
 
@@ -29,8 +36,96 @@ from ..errors import UsageError
 from .llama_server import Served, _free_port, find_llama_server
 
 ROUTES = ("/v1/messages", "/v1/responses", "/v1/chat/completions")
+# the sessions shipped in workloads/, by the name --agent-session takes for them
+SHIPPED = {"codex": "workloads/agent-session.jsonl", "claude-code": "workloads/agent-session-claude.jsonl"}
+# Responses input items both servers read (llama-server refuses a request with any other)
+COMMON_ITEMS = frozenset({"message", "function_call", "function_call_output"})
 OURS = ("edgespec none", "edgespec auto")
 THEIRS = ("llama-server ngram-mod", "llama-server draft")
+
+
+def session_path(name: Optional[str]) -> Path:
+    """--agent-session: a shipped session's name (codex, claude-code) or a `serve --record` file."""
+    from ..registry import _shipped
+    if name is None or name in SHIPPED:
+        return _shipped(SHIPPED[name or "codex"])
+    return Path(name)
+
+
+def both_accept(session: list[dict]) -> tuple[list[dict], list[str]]:
+    """The session in a form llama-server accepts and renders as edgespec does, and what was changed.
+
+    Responses: an `additional_tools` item's tools join `tools` (llama-server refuses the item); a
+    `namespace` tool's functions are offered one by one, as edgespec offers them (llama-server leaves
+    the tool out); hosted tools go, as edgespec passes them over; input items other than messages and
+    function calls go. Messages: see _messages_both_accept. Chat: as recorded."""
+    out, changed = [], set()
+    for turn in session:
+        body = json.loads(json.dumps(turn["body"]))
+        if turn["path"] == "/v1/responses":
+            items = body.get("input") if isinstance(body.get("input"), list) else None
+            tools = list(body.get("tools") or ())
+            if items is not None:
+                for item in items:
+                    if isinstance(item, dict) and item.get("type") == "additional_tools":
+                        tools += item.get("tools") or []
+                        changed.add("Responses: an additional_tools item's tools moved to tools")
+                    elif isinstance(item, dict) and item.get("type", "message") not in COMMON_ITEMS:
+                        changed.add(f"Responses: {item.get('type')} input items left out")
+                body["input"] = [i for i in items if not isinstance(i, dict) or i.get("type", "message") in COMMON_ITEMS]
+            kept = []
+            for t in tools:
+                if isinstance(t, dict) and t.get("type") == "function":
+                    kept.append(t)
+                elif isinstance(t, dict) and t.get("type") == "namespace":  # its functions, as edgespec offers them
+                    kept += [f for f in t.get("tools") or () if isinstance(f, dict) and f.get("type") == "function"]
+                    changed.add("Responses: namespace tools' functions offered one by one (as edgespec offers them)")
+                else:
+                    changed.add(f"Responses: {t.get('type')} tools left out (edgespec passes them over too)")
+            names = [f.get("name") for f in kept]
+            kept = [f if names.count(f.get("name")) == 1 else None for f in kept]
+            if None in kept:
+                changed.add("Responses: functions of one name in two namespaces left out")
+                kept = [f for f in kept if f is not None]
+            if "tools" in body or kept:
+                body["tools"] = kept
+        elif turn["path"] == "/v1/messages":
+            _messages_both_accept(body, changed)
+        out.append({"path": turn["path"], "body": body})
+    return out, sorted(changed)
+
+
+def _messages_both_accept(body: dict, changed: set) -> None:
+    """A Messages body in place: what llama-server reads another way than edgespec written as both
+    read it alike (text blocks joined by a newline, an error result's text marked), Claude Code's
+    billing header left out (edgespec leaves it out: server/anthropic.py), server tools left out."""
+    from ..server.anthropic import BILLING
+
+    def text(blocks) -> str:
+        return "\n".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text")
+
+    system = body.get("system")
+    if isinstance(system, list):
+        if system and isinstance(system[0], dict) and str(system[0].get("text", "")).startswith(BILLING):
+            system = system[1:]
+            changed.add("Messages: Claude Code's billing header block left out of system")
+        body["system"] = text(system)
+        changed.add("Messages: system text blocks joined by a newline (llama-server joins them with nothing)")
+    for m in body.get("messages") or ():
+        for b in m.get("content") if isinstance(m, dict) and isinstance(m.get("content"), list) else ():
+            if isinstance(b, dict) and b.get("type") == "tool_result":
+                if isinstance(b.get("content"), list):
+                    b["content"] = text(b["content"])
+                    changed.add("Messages: tool_result text blocks joined by a newline")
+                if b.pop("is_error", None):
+                    b["content"] = "Error: " + str(b.get("content") or "")
+                    changed.add("Messages: an error tool_result's text begins with 'Error: '")
+    if isinstance(body.get("tools"), list):
+        kept = [t for t in body["tools"] if isinstance(t, dict) and t.get("type") in (None, "custom")]
+        for t in body["tools"]:
+            if t not in kept:
+                changed.add(f"Messages: server tool {t.get('type')} left out")
+        body["tools"] = kept
 
 
 def load_session(path: Path) -> list[dict]:
@@ -82,7 +177,7 @@ def replay(url: str, turn: dict, timeout: float = 3600) -> dict:
             ev = json.loads(data)
             if first is None and _content(ev):
                 first = time.perf_counter() - t0
-            usage = _usage(ev) or usage
+            usage.update(_usage(ev) or {})
     total = time.perf_counter() - t0
     first = total if first is None else first
     out_tokens = int(usage.get("output", 0))
@@ -108,10 +203,18 @@ def _content(ev: dict) -> bool:
 
 
 def _usage(ev: dict) -> Optional[dict]:
-    if ev.get("type") == "message_delta" and ev.get("usage"):
-        u = ev["usage"]
-        cached = u.get("cache_read_input_tokens") or 0
-        return {"output": u.get("output_tokens", 0), "input": (u.get("input_tokens") or 0) + cached, "cached": cached}
+    """The counts an event carries: {output, input (all prompt tokens), cached}, those it has."""
+    if ev.get("type") in ("message_start", "message_delta"):
+        # Anthropic: input_tokens leaves out the tokens read from a cache. llama-server says them in
+        # message_start only, edgespec again in message_delta (message_start comes before its prefill)
+        u = (ev.get("message") or {}).get("usage") if ev["type"] == "message_start" else ev.get("usage")
+        if not u:
+            return None
+        out = {"output": u["output_tokens"]} if ev["type"] == "message_delta" and "output_tokens" in u else {}
+        if "cache_read_input_tokens" in u:
+            cached = u.get("cache_read_input_tokens") or 0
+            out.update(input=(u.get("input_tokens") or 0) + cached, cached=cached)
+        return out
     if ev.get("type") == "response.completed":
         u = ev.get("response", {}).get("usage") or {}
         return {"output": u.get("output_tokens", 0), "input": u.get("input_tokens"),
@@ -146,6 +249,11 @@ def run(settings, session: list[dict], out: Path, peer: bool = False, llama_serv
     threads = settings.threads or _threads()
     binary = find_llama_server(llama_server) if peer else None
     cmds = commands(target, draft, settings.n_ctx, threads, binary)
+    changed = None
+    if peer:  # every server reads the same requests, in the form all of them accept
+        session, changed = both_accept(session)
+        for line in changed:
+            print(f"bench: the session as both servers take it: {line}", file=sys.stderr, flush=True)
     logs = out.parent / "agent-logs"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
@@ -167,13 +275,16 @@ def run(settings, session: list[dict], out: Path, peer: bool = False, llama_serv
                       f"{t['output_tokens']} tokens, {t['total']:.1f} s", file=sys.stderr, flush=True)
         finally:
             server.stop()
-            report = _write(out, target, draft, settings.n_ctx, threads, session, results)  # what ran so far
+            report = _write(out, target, draft, settings.n_ctx, threads, session, results, changed)  # so far
     return report
 
 
-def _write(out: Path, target, draft, n_ctx: int, threads: int, session: list, results: dict) -> dict:
+def _write(out: Path, target, draft, n_ctx: int, threads: int, session: list, results: dict,
+           changed: Optional[list] = None) -> dict:
     report = {"target": str(target), "draft": str(draft) if draft else None, "n_ctx": n_ctx,
-              "threads": threads, "requests": len(session), "servers": results, "summary": summarize(results)}
+              "threads": threads, "requests": len(session),
+              "form": "as recorded" if changed is None else "both accept", "changed": changed,
+              "servers": results, "summary": summarize(results), "per_request": per_request(results)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     return report
@@ -209,6 +320,42 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     return out
 
 
+def per_request(results: dict[str, list[dict]]) -> list[dict]:
+    """Request by request, each server's prompt tokens, tokens from its cache, output tokens, TTFT and
+    total; `same_prompt` / `same_output`: whether the servers that answered agree on the counts (at
+    T = 0 on one rendered prompt the answers should be the same)."""
+    rows = []
+    for i in range(max((len(t) for t in results.values()), default=0)):
+        row = {"request": i + 1, "servers": {}}
+        for name, turns in results.items():
+            t = turns[i] if i < len(turns) else {"error": "not run"}
+            row["servers"][name] = ({"error": t["error"]} if "error" in t else
+                                    {k: t.get(k) for k in ("prompt_tokens", "cached", "output_tokens", "ttft", "total")})
+        answered = [v for v in row["servers"].values() if "error" not in v]
+        row["same_prompt"] = len({v["prompt_tokens"] for v in answered}) <= 1
+        row["same_output"] = len({v["output_tokens"] for v in answered}) <= 1
+        rows.append(row)
+    return rows
+
+
+def format_requests(rows: list[dict]) -> str:
+    """One line a request and server: prompt tokens / from cache, output tokens, TTFT, total."""
+    lines = ["{:>3} {:<24} {:>8} {:>8} {:>7} {:>8} {:>8}".format(
+        "#", "server", "prompt", "cached", "output", "TTFT s", "total s")]
+    for row in rows:
+        for name, v in row["servers"].items():
+            if "error" in v:
+                lines.append(f"{row['request']:>3} {name:<24} refused: {v['error'][:60]}")
+                continue
+            lines.append("{:>3} {:<24} {:>8} {:>8} {:>7} {:>8.1f} {:>8.1f}".format(
+                row["request"], name, v["prompt_tokens"] if v["prompt_tokens"] is not None else "-",
+                v["cached"] if v["cached"] is not None else "-", v["output_tokens"], v["ttft"], v["total"]))
+        if not (row["same_prompt"] and row["same_output"]):
+            what = [w for w, same in (("prompt", row["same_prompt"]), ("output", row["same_output"])) if not same]
+            lines.append(f"    request {row['request']}: the servers' {' and '.join(what)} token counts differ")
+    return "\n".join(lines)
+
+
 def format_table(summary: dict) -> str:
     head = ("server", "total s", "TTFT s", "decode tok/s", "refused", "vs plain", "vs llama-server")
     lines = ["{:<24} {:>8} {:>8} {:>13} {:>8} {:>9} {:>16}".format(*head)]
@@ -223,10 +370,10 @@ def format_table(summary: dict) -> str:
 
 
 def main(settings, opts, session_file: Optional[str]) -> int:
-    from ..registry import _shipped
-    path = Path(session_file) if session_file else _shipped("workloads/agent-session.jsonl")
-    session = load_session(path)
+    session = load_session(session_path(session_file))
     report = run(settings, session, Path(opts.out), peer=opts.peer == "llama-server", llama_server=opts.llama_server)
+    print(format_requests(report["per_request"]))
+    print()
     print(format_table(report["summary"]))
     print(f"\nJSON: {opts.out}")
     return 0

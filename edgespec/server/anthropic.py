@@ -101,8 +101,9 @@ class MessagesRequest(_Body):
         if self.system is not None and not isinstance(self.system, (str, list)):
             raise ApiError(400, f"system: must be a string or a list of text blocks, got {type(self.system).__name__}",
                            param="system")
-        if self.system:
-            out.append({"role": "system", "content": _text(self.system, "system")})
+        system = _without_billing(self.system)
+        if system:
+            out.append({"role": "system", "content": _text(system, "system")})
         if not self.messages:
             raise ApiError(400, "messages: at least one message is required", param="messages")
         seen_ids: set[str] = set()
@@ -174,6 +175,22 @@ class MessagesRequest(_Body):
 class CountRequest(MessagesRequest):
     """POST /v1/messages/count_tokens: a Messages body without max_tokens; the prompt's tokens."""
     max_tokens: int = 1
+
+
+BILLING = "x-anthropic-billing-header:"
+
+
+def _without_billing(system):
+    """`system` without Claude Code's billing header: a first text block `x-anthropic-billing-header:
+    cc_version=2.1.197.3bb; cc_entrypoint=...;` that Anthropic's API reads as metadata. Its version
+    suffix changes from one session to the next, and at the head of the prompt it would make every
+    new session's prompt differ from the first token: the prompt cache could keep nothing of an
+    earlier session's 20,000-token prefix. (llama-server, which keeps the block, only masks its
+    `cch=` field.)"""
+    if isinstance(system, list) and system and isinstance(system[0], dict) \
+            and str(system[0].get("text", "")).startswith(BILLING) and "\n" not in system[0]["text"].strip():
+        return system[1:]
+    return system
 
 
 def _text(value, where: str) -> str:

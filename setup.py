@@ -7,7 +7,8 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-SHIPPED = ["models.toml", "workloads/prompts.jsonl", "workloads/structured.jsonl", "workloads/agent-session.jsonl"]
+SHIPPED = ["models.toml", "workloads/prompts.jsonl", "workloads/structured.jsonl", "workloads/agent-session.jsonl",
+           "workloads/agent-session-claude.jsonl"]
 
 
 class BuildPyWithData(build_py):

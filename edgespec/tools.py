@@ -287,8 +287,11 @@ _OPENS_LATER = re.compile(r"\n[ \t]*(?:```(?:json)?[ \t]*\n|\{)" + _WS + "(?=" +
 
 # After the opening the model keeps its own layout (a call opened over lines goes on over lines:
 # held to one line, Qwen2.5-Coder ran a number on for a hundred digits where it meant to break the
-# line), with at most a line break and indentation between tokens.
-LAZY_SPACE = r"[ \t]*(\r?\n[ \t]*)?"
+# line), with at most a line break and indentation between tokens, bounded as llama.cpp bounds its
+# JSON grammars' space: unbounded, a model that closed a string too early (Qwen2.5-Coder-1.5B writing
+# a file through Claude Code's Write: `"low stock: "` inside the content) wrote spaces until
+# max_tokens (32,000 from Claude Code) where the grammar allowed nothing else it wanted.
+LAZY_SPACE = r"[ \t]{0,16}(\r?\n[ \t]{0,64})?"
 _LAZY_RULES = (f"fenced: fenced_head lazy_fn /{LAZY_SPACE}```/\nfenced_head[lazy]: /{LAZY_FENCED}/\n"
                f"bare: bare_head lazy_fn\nbare_head[lazy]: /{LAZY_BARE}/\n"
                f"doubled: doubled_head lazy_fn /{LAZY_SPACE}\\}}/\ndoubled_head[lazy]: /{LAZY_DOUBLED}/\n"

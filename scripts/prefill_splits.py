@@ -12,6 +12,13 @@ alone; each way is compared with the reference, today's rule (whole 128-token pi
     pad64x4     random sizes 1..200, every piece padded with dummy rows to at least 64 and a multiple of 4
     ones        the last 20 tokens one by one (a decode's kernels), the rest in 128 pieces
 
+and, against a second reference, every piece padded to a whole number of 64-row tiles (a lead on flash
+attention's CPU kernel: whole tiles of 64 query rows in one kernel, the rows left over in another):
+
+    grid128pad  pieces of 128, the last one padded to a multiple of 64 (the second reference)
+    pad64m      random sizes 1..200, every piece padded to a multiple of 64 (a later turn's new tokens)
+    mult64      random multiples of 64 (64..192), the last padded
+
 Padding: dummy tokens appended after a piece's real ones, at later positions (the causal mask hides them
 from the real rows), then removed from the cache (llama_memory_seq_rm) before the next piece.
 Compared: llama_state_seq_get_data's bytes of the sequence (KV and all) and the last row's logits
@@ -67,6 +74,10 @@ def _pad(s: int) -> int:
     return n + (-n) % 4
 
 
+def _pad64(s: int) -> int:
+    return s + (-s) % 64
+
+
 def run(model: str, fa: str, threads: int, kv: str, seed: int = 0) -> list[dict]:
     b = LlamaBackend(model, n_ctx=1024, flash_attn=fa, threads=threads, type_k=kv, type_v=kv if fa == "on" else "f16")
     toks = b.tokenize(TEXT)[:700]
@@ -79,14 +90,17 @@ def run(model: str, fa: str, threads: int, kv: str, seed: int = 0) -> list[dict]
         "min64x4": (_sizes(n, rng, 64, 200, 4), _pad),
         "pad64x4": (_sizes(n, rng, 1, 200), _pad),
         "ones": ([128] * ((n - 20) // 128) + ([(n - 20) % 128] if (n - 20) % 128 else []) + [1] * 20, None),
+        "grid128pad": (_sizes(n, rng, 128, 128), _pad64),
+        "pad64m": (_sizes(n, rng, 1, 200), _pad64),
+        "mult64": (_sizes(n, rng, 64, 192, 64), _pad64),
     }
     out, ref = [], None
     for name, (sizes, pad) in ways.items():
         b.reset()
-        _prefill(b, head, sizes, pad if name in ("pad64x4", "min64x4") else None)
+        _prefill(b, head, sizes, pad)
         state = b.save_state(0)[1]
         row = b.eval([last], [0])[0].copy()
-        if ref is None:
+        if ref is None or name == "grid128pad":
             ref = (state, row)
         out.append({"model": Path(model).name, "flash_attn": fa, "threads": threads, "kv": kv, "way": name,
                     "pieces": len(sizes), "state_equal": state == ref[0],
@@ -99,12 +113,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--flash-attn", default="on,off", help="settings to try (default on,off)")
+    ap.add_argument("--threads", default="1,2", help="default 1,2")
+    ap.add_argument("--kv", default="f16,q8_0", help="default f16,q8_0")
     a = ap.parse_args()
     rows = []
-    for model, fa, threads, kv in itertools.product(a.models, ("on", "off"), (1, 2), ("f16", "q8_0")):
+    for model, fa, threads, kv in itertools.product(a.models, a.flash_attn.split(","),
+                                                    [int(t) for t in a.threads.split(",")], a.kv.split(",")):
         got = run(model, fa, threads, kv)
         rows += got
-        cells = "  ".join(f"{r['way']} {'=' if r['state_equal'] else 'x'} {r['logit_diff']:.3g}" for r in got[1:])
+        cells = "  ".join(f"{r['way']} {'=' if r['state_equal'] else 'x'} {r['logit_diff']:.3g}"
+                          for r in got[1:] if r["way"] != "grid128pad")
         print(f"{Path(model).name:<42} fa {fa:<3} t{threads} kv {kv:<5} {cells}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -155,6 +155,21 @@ def test_an_opened_call_is_held_to_an_offered_tool_and_ends_the_answer(agent):
     assert _legal(grammar, 'A package.json:\n```json\n{\n  "name": "my-app"')[0].endswith('"name": "')
 
 
+def test_the_space_between_a_calls_tokens_is_bounded():
+    """Qwen2.5-Coder-1.5B closed Write's content string too early (at T = 0, on the shipped Claude
+    Code session) and, with any amount of space allowed before the `}` it did not want, wrote spaces
+    to max_tokens. The space between tokens is bounded (16, a line break, 64): then only what closes
+    the call is legal."""
+    grammar = Hermes().grammar(_spec("claude"))
+    call = '{"name": "Write", "arguments": {"file_path": "a.py", "content": "x = \\"low stock: "'
+    legal, _ = _legal(grammar, call + " " * 200)
+    assert legal == call + " " * 16
+    legal, _ = _legal(grammar, call + " " * 3 + "\n" + " " * 200)
+    assert legal == call + " " * 3 + "\n" + " " * 64
+    laid_out = call + "\n  }\n}"  # the model's own layout still closes the call
+    assert _legal(grammar, laid_out) == (laid_out, True)
+
+
 def test_the_lazy_openings_leave_required_and_none_as_they_were():
     spec = _spec("codex")
     for choice in ("required", {"type": "function", "function": {"name": "exec_command"}}):

@@ -317,7 +317,7 @@ def _lazy_rules(spec: ToolSpec) -> str:
 def lazy_call_grammar(spec: ToolSpec) -> str:
     """Free text, or one call of `spec`'s functions opened without markup (LAZY_*): Hermes' `auto`
     grammar without its <tool_call> branch, for a vocabulary that has no such token."""
-    return f"start: TEXT | {_LAZY_START}\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec)
+    return f"start: TEXT? | {_LAZY_START}\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec)
 
 
 def _lazy_call(text: str, spec: ToolSpec) -> Optional[tuple[str, list[ToolCall]]]:
@@ -401,7 +401,7 @@ class Hermes(Format):
         if spec.choice in ("required", "function"):
             return f"start: {calls}\n" + call
         if spec.choice == "auto":  # free text, or calls once the model opens one, with markup or not
-            return f"start: TEXT | TEXT? {calls} | {_LAZY_START}\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec) + call
+            return f"start: TEXT? | TEXT? {calls} | {_LAZY_START}\nTEXT: /(?s:.+)/\n" + _lazy_rules(spec) + call
         return None
 
     def render_messages(self, messages, spec):
@@ -592,7 +592,7 @@ class Llama3(Format):
         call = "call: " + _json_lark(spec.call_schema("parameters"), spec.lenient) + "\n"
         if spec.choice in ("required", "function"):
             return "start: call\n" + call
-        return "start: TEXT | call\nTEXT: /(?s:[^{].*)/\n" + call  # free text, or a call from its first brace
+        return "start: TEXT? | call\nTEXT: /(?s:[^{].*)/\n" + call  # free text, or a call from its first brace
 
     def render_messages(self, messages, spec):
         return _for_template(messages, spec)
@@ -634,7 +634,7 @@ class Mistral(Format):
         call = f"calls: {marker} " + _json_lark(array, spec.lenient) + "\n"
         if spec.choice in ("required", "function"):
             return "start: calls\n" + call
-        return "start: TEXT | calls\nTEXT: /(?s:.+)/\n" + call
+        return "start: TEXT? | calls\nTEXT: /(?s:.+)/\n" + call
 
     def render_messages(self, messages, spec):
         out, extra = _for_template(messages, spec)

@@ -518,6 +518,7 @@ class Engine(PromptBuilder):
         if guide is None:
             guide = self.guide(prompt.request)
         gen = Generation(list(prompt.tokens), prompt.request, stats, guide, _rng(prompt.request.seed))
+        gen.sources = prompt.sources
         stream = Stream(self, gen)
         if prompt.format is not None:
             stream._tools = StreamParser(prompt.format, prompt.request.tools)

@@ -4,6 +4,8 @@ vocabulary (under `_reading`, never the engine's KV work), so a server prepares 
 its engine thread while other requests generate."""
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
@@ -36,6 +38,20 @@ def _only_eog(guide: Guide, target) -> bool:
     return all(target.is_eog(int(t)) for t in np.flatnonzero(guide.allowed())[:64])
 
 
+QUOTED_MIN = 64        # characters: a text shorter than this is not worth a source of its own
+QUOTED_MAX = 32768     # tokens of quoted sources a request keeps (the latest texts first)
+_NUMBERED = re.compile(r"^ *\d+\t", re.M)
+
+
+def _without_line_numbers(text: str) -> str:
+    """`text` without `cat -n` line numbers ("     7\tcode", Claude Code's Read) where most
+    lines have one (a note may follow the listing); else as it is."""
+    lines = [ln for ln in text.split("\n") if ln.strip()]
+    if len(lines) >= 2 and sum(bool(_NUMBERED.match(ln)) for ln in lines) * 4 >= len(lines) * 3:
+        return _NUMBERED.sub("", text)
+    return text
+
+
 @dataclass
 class ChatPrompt:
     """A request ready to stream: its prompt tokens, checked, and its compiled constraint."""
@@ -44,6 +60,7 @@ class ChatPrompt:
     format: object = None      # tools.Format when the request had tools
     dropped: int = 0           # messages left out (overflow="drop-oldest")
     guide: Optional[Guide] = None
+    sources: tuple = ()        # quoted_sources: what a call's arguments may copy, as they write it
 
 
 class PromptBuilder:
@@ -150,7 +167,7 @@ class PromptBuilder:
         model's own call format. Safe from any thread, as `prompt_tokens`."""
         request = request or Request()
         messages = validate_messages(messages)  # before a format rewrites tool turns
-        fmt = None
+        given, fmt = messages, None
         if request.tools is not None or any(m.get("tool_calls") or m.get("role") == "tool"
                                             for m in messages if isinstance(m, dict)):
             with self._reading() as t:
@@ -169,7 +186,31 @@ class PromptBuilder:
         tokens, dropped = self.conversation_tokens(messages, room=request.max_tokens if room is None else room,
                                                    overflow=overflow, **extra)
         calls = request.tools is not None and request.tools.choice != "none"  # none: text only, never parsed
-        return ChatPrompt(tokens, request, fmt if calls else None, dropped, self.guide(request))
+        sources = self.quoted_sources(given) if calls else ()
+        return ChatPrompt(tokens, request, fmt if calls else None, dropped, self.guide(request), sources)
+
+    def quoted_sources(self, messages) -> tuple:
+        """What a call's arguments may copy from the conversation, tokenized as they write it: each
+        tool result and user turn of QUOTED_MIN characters or more, as the inside of a JSON string
+        (newlines as \\n, quotes as \\"), line numbers of a `cat -n` listing left out (Claude Code's
+        Read). An agent rewriting a file it has read writes it this way in a Write or Edit call, which
+        prompt lookup cannot follow: the prompt holds the file's lines, not their escaped text. Drafts
+        from these are verified as any other (they change what is drafted, never the law)."""
+        out, total = [], 0
+        with self._reading() as t:
+            for m in reversed(messages):  # the latest first, up to QUOTED_MAX tokens in all
+                text = m.get("content") if m.get("role") in ("tool", "user") else None
+                if not isinstance(text, str) or len(text) < QUOTED_MIN:
+                    continue
+                quoted = json.dumps(_without_line_numbers(text), ensure_ascii=False)[1:-1]
+                if quoted == text:  # nothing escaped: prompt lookup finds it as it is
+                    continue
+                toks = t.tokenize(quoted, add_bos=False, special=False)[:QUOTED_MAX - total]
+                out.append(toks)
+                total += len(toks)
+                if total >= QUOTED_MAX:
+                    break
+        return tuple(out)
 
     def chat_tokens(self, messages, **extra) -> list[int]:
         """The prompt tokens for a conversation, checked against the context (UsageError).

@@ -145,3 +145,23 @@ def test_each_request_is_shown_per_server_with_differing_counts_said():
     assert [(r["same_prompt"], r["same_output"]) for r in rows] == [(True, True), (True, False)]
     text = format_requests(rows)
     assert "request 2: the servers' output token counts differ" in text and "request 1:" not in text
+
+
+def test_every_replayed_answer_is_capped_alike():
+    """At T = 0 a small model can loop where the agent's own sampling would not (llama-server wrote
+    6,600 tokens of a Codex side request edgespec answered in 41): the replay holds every server's
+    answers to one cap, the agent's own limit where lower."""
+    from edgespec.bench.agent import capped
+    session = [{"path": "/v1/messages", "body": {"max_tokens": 32000}},
+               {"path": "/v1/responses", "body": {}},
+               {"path": "/v1/chat/completions", "body": {"max_completion_tokens": 100}},
+               {"path": "/v1/chat/completions", "body": {"max_tokens": 9000}}]
+    got = [t["body"] for t in capped(session, 4096)]
+    assert got == [{"max_tokens": 4096}, {"max_output_tokens": 4096}, {"max_completion_tokens": 100},
+                   {"max_tokens": 4096}]
+    assert capped(session, 0) is session and session[0]["body"] == {"max_tokens": 32000}
+
+
+def test_a_negative_cap_is_refused(smol, capsys):
+    assert main(["bench", "--kinds", "agent", "--agent-max-tokens", "-1", "--target", str(smol)]) == 2
+    assert "--agent-max-tokens must be >= 0" in capsys.readouterr().err

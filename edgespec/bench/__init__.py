@@ -65,6 +65,7 @@ class Options:
     peer: Optional[str] = None               # "llama-server": the peer benchmark (bench/llama_server.py)
     llama_server: Optional[str] = None       # its binary (None: found or built)
     agent_session: Optional[str] = None      # --kinds agent: the `serve --record` file (None: the packaged one)
+    agent_max_tokens: int = 4096             # --kinds agent: every replayed answer's cap (0: the agent's own)
     rpc_latency_ms: Optional[tuple[float, ...]] = None  # the network benchmark's round trips (bench/rpc.py)
     sampling: SamplingParams = SamplingParams()  # the decode modes' law (T > 0: answers are not compared)
 
@@ -85,6 +86,8 @@ class Options:
                 raise UsageError(f"--kinds {AGENT} runs on its own (a recorded session, replayed through "
                                  "edgespec none and auto, and llama-server with --peer): leave out other kinds, "
                                  "--modes, --sweep, --acceptance and --parallel-requests")
+            if self.agent_max_tokens < 0:
+                raise UsageError(f"--agent-max-tokens must be >= 0 (0: the agent's own limits), got {self.agent_max_tokens}")
             return self
         if self.agent_session is not None:
             raise UsageError(f"--agent-session goes with --kinds {AGENT}")
@@ -159,6 +162,9 @@ def add_arguments(p) -> None:
                    help=f"with --kinds {AGENT}: the session to replay, as `serve --record FILE` wrote it, or a "
                    "shipped one: codex (the default; workloads/agent-session.jsonl) or claude-code "
                    "(workloads/agent-session-claude.jsonl)")
+    p.add_argument("--agent-max-tokens", type=int, default=4096, metavar="N",
+                   help=f"with --kinds {AGENT}: every replayed answer held to N tokens, on every server alike "
+                   "(default 4096; 0: the agent's own limits, up to 32,000 for Claude Code)")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, metavar="T",
                    help="sample every mode at T (default 0: greedy, each answer compared with plain decoding's; "
                    "at T > 0 trial t of every mode uses seed t, and answers differ by design)")
@@ -196,6 +202,7 @@ def options_from_args(args) -> Options:
                    parallel_requests=getattr(args, "parallel_requests", None), peer=getattr(args, "peer", None),
                    llama_server=getattr(args, "llama_server", None),
                    agent_session=getattr(args, "agent_session", None),
+                   agent_max_tokens=getattr(args, "agent_max_tokens", 4096),
                    rpc_latency_ms=_rpc_latencies(getattr(args, "rpc_latency_ms", None)),
                    sampling=SamplingParams(getattr(args, "temperature", 0.0), getattr(args, "top_k", 0),
                                            getattr(args, "top_p", 1.0), getattr(args, "min_p", 0.0))).validate()

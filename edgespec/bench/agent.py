@@ -152,6 +152,28 @@ class Refused(Exception):
     """A server answered a recorded request with an error: recorded as such, the session goes on."""
 
 
+CAP_FIELDS = {"/v1/messages": "max_tokens", "/v1/responses": "max_output_tokens",
+              "/v1/chat/completions": "max_tokens"}
+
+
+def capped(session: list[dict], cap: Optional[int]) -> list[dict]:
+    """Every request's answer held to `cap` tokens (its own limit where lower), for every server
+    alike: at T = 0 a small model can loop where the agent's own sampling would not (llama-server
+    wrote 6,600 tokens and was still going on a Codex request edgespec answered in 41; Claude Code
+    asks for up to 32,000)."""
+    if not cap:
+        return session
+    out = []
+    for turn in session:
+        body, key = dict(turn["body"]), CAP_FIELDS[turn["path"]]
+        if turn["path"] == "/v1/chat/completions" and "max_completion_tokens" in body:
+            key = "max_completion_tokens"
+        given = body.get(key)
+        body[key] = min(given, cap) if isinstance(given, int) and given > 0 else cap
+        out.append({"path": turn["path"], "body": body})
+    return out
+
+
 def replay(url: str, turn: dict, timeout: float = 3600) -> dict:
     """One recorded request, streamed at T = 0: {ttft, total, output_tokens, prompt_tokens, cached}."""
     import httpx
@@ -243,7 +265,8 @@ def commands(target: Path, draft: Optional[Path], n_ctx: int, threads: int, bina
     return cmds
 
 
-def run(settings, session: list[dict], out: Path, peer: bool = False, llama_server: Optional[str] = None) -> dict:
+def run(settings, session: list[dict], out: Path, peer: bool = False, llama_server: Optional[str] = None,
+        cap: Optional[int] = None) -> dict:
     from ..assemble import resolve_files
     target, draft = resolve_files(settings)
     threads = settings.threads or _threads()
@@ -254,6 +277,7 @@ def run(settings, session: list[dict], out: Path, peer: bool = False, llama_serv
         session, changed = both_accept(session)
         for line in changed:
             print(f"bench: the session as both servers take it: {line}", file=sys.stderr, flush=True)
+    session = capped(session, cap)
     logs = out.parent / "agent-logs"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
@@ -275,14 +299,14 @@ def run(settings, session: list[dict], out: Path, peer: bool = False, llama_serv
                       f"{t['output_tokens']} tokens, {t['total']:.1f} s", file=sys.stderr, flush=True)
         finally:
             server.stop()
-            report = _write(out, target, draft, settings.n_ctx, threads, session, results, changed)  # so far
+            report = _write(out, target, draft, settings.n_ctx, threads, session, results, changed, cap)  # so far
     return report
 
 
 def _write(out: Path, target, draft, n_ctx: int, threads: int, session: list, results: dict,
-           changed: Optional[list] = None) -> dict:
+           changed: Optional[list] = None, cap: Optional[int] = None) -> dict:
     report = {"target": str(target), "draft": str(draft) if draft else None, "n_ctx": n_ctx,
-              "threads": threads, "requests": len(session),
+              "threads": threads, "requests": len(session), "max_tokens_cap": cap,
               "form": "as recorded" if changed is None else "both accept", "changed": changed,
               "servers": results, "summary": summarize(results), "per_request": per_request(results)}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -371,7 +395,8 @@ def format_table(summary: dict) -> str:
 
 def main(settings, opts, session_file: Optional[str]) -> int:
     session = load_session(session_path(session_file))
-    report = run(settings, session, Path(opts.out), peer=opts.peer == "llama-server", llama_server=opts.llama_server)
+    report = run(settings, session, Path(opts.out), peer=opts.peer == "llama-server", llama_server=opts.llama_server,
+                 cap=opts.agent_max_tokens)
     print(format_requests(report["per_request"]))
     print()
     print(format_table(report["summary"]))

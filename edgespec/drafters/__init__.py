@@ -96,6 +96,10 @@ class Drafter:
         """Draw on a draft memory shared by the engine's lanes (recall.DraftMemory); a drafter
         without lookups ignores it."""
 
+    def use_sources(self, sources) -> None:
+        """For this generation (after `begin`): token sequences its copies may draft from besides
+        the context (prompts.quoted_sources); a drafter without copies ignores them."""
+
     def fork(self, seq: int) -> "Drafter":
         from ..errors import UsageError
         raise UsageError(f"the {self.name} drafter cannot draft for several sequences: use parallel=1")

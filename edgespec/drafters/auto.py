@@ -55,6 +55,9 @@ class AutoDrafter(Drafter):
         """Copies and lookups draw on this draft memory (recall.DraftMemory) too."""
         self.copy.use_memory(memory)
 
+    def use_sources(self, sources) -> None:
+        self.copy.use_sources(sources)
+
     def end(self, tokens: list[int]) -> None:
         self.copy.end(tokens)
 
@@ -81,7 +84,7 @@ class AutoDrafter(Drafter):
         self._bound = None
         if guide is not None and cont:  # judged as the engine will verify it: cut at its first forbidden token
             cont = cont[:guide.legal_prefix(cont)]
-            if m.in_prompt and not m.memory:  # a value quoted from the prompt: drafted up to where its phrase ends
+            if m.in_prompt and not (m.memory or m.quoted):  # a value quoted from the prompt: up to its phrase's end
                 cont = cont[:value_end(cont, guide.piece)]
             self._bound = len(cont)
         self._constrained = guide is not None
@@ -94,7 +97,7 @@ class AutoDrafter(Drafter):
         choice = self.policy.choose(offer, self.model is not None, room, self._lag,
                                     (share.own + forced, int(share.own > 0)), share=share)
         if choice.drafter in ("copy", "ngram"):
-            return Draft(cont[:choice.gamma], None, "memory" if m.memory else choice.drafter)
+            return Draft(cont[:choice.gamma], None, m.source or choice.drafter)
         if choice.drafter == "model":
             return ModelWant(self.model, tokens, choice.gamma, params, rng, guide)
         return NO_DRAFT

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from ..defaults import GAMMA
 from . import Draft, Drafter, Round
 from .ngram import NgramDrafter, agreed, run_length
-from .recall import prefer
+from .recall import DraftMemory, prefer
 
 ALIGNED_MIN = 12  # agreed tokens before a copy counts as an established alignment
 ANCHOR_MIN = 3    # agreed tokens before a divergence is taken for an edit (not a coincidence that ended)
@@ -38,6 +38,12 @@ class CopyMatch(NamedTuple):
     in_prompt: bool          # the source lies in the prompt (not in generated text)
     risk: tuple[float, ...] = ()  # per continuation token: how often an edit began at such a place
     memory: bool = False     # the source is an earlier answer in the draft memory (recall.py)
+    quoted: bool = False     # the source is a text of the prompt as a JSON string writes it (use_sources)
+
+    @property
+    def source(self) -> str | None:
+        """The name its drafts go by when not the drafter's own: "memory", "quoted"."""
+        return "memory" if self.memory else "quoted" if self.quoted else None
 
 
 NO_MATCH = CopyMatch("none", 0, [], False)
@@ -65,6 +71,17 @@ class CopyDrafter(Drafter):
         """Its lookups draw on this draft memory (recall.DraftMemory) too."""
         self.ngram.use_memory(memory)
 
+    def use_sources(self, sources) -> None:
+        """This generation's lookups also draw on these token sequences (prompts.quoted_sources: the
+        prompt's texts as a call's JSON string writes them), indexed as a draft memory is; `begin`
+        forgets them."""
+        sources = [list(s) for s in sources if len(s) > 1]
+        if not sources:
+            return
+        self.sources = DraftMemory(sum(len(s) + 1 for s in sources) + 1, lead=0)
+        for s in sources:
+            self.sources.add(s)
+
     def end(self, tokens: list[int]) -> None:
         self.ngram.end(tokens)
 
@@ -75,6 +92,7 @@ class CopyDrafter(Drafter):
 
     def _clear(self) -> None:
         self.prompt_len = self.seen = 0
+        self.sources: DraftMemory | None = None
         self._drop()
         self.last: tuple[int, CopyMatch] | None = None
         # per kind of source place (the token itself, the two before it): [edits begun, copied]
@@ -243,6 +261,13 @@ class CopyDrafter(Drafter):
             r = memory.match(tokens, limit)
             if prefer(m.run, m.continuation, r):  # judged as a prompt lookup hit is: a copy of given text
                 m = CopyMatch("fresh", r.run, r.continuation, True, memory=True)
+        if self.sources is not None:  # the prompt's text as the answer's JSON string quotes it
+            r = self.sources.match(tokens, limit)
+            if prefer(m.run, m.continuation, r):
+                # a file written again, not a value quoted: once it agrees as long as an aligned copy
+                # does, it is judged as one (the policy's table of long copies, not of short values)
+                m = CopyMatch("aligned" if r.run >= ALIGNED_MIN else "fresh", r.run, r.continuation, True,
+                              quoted=True)
         self.last = (len(tokens), m) if m.continuation else None
         return m
 
@@ -275,7 +300,7 @@ class CopyDrafter(Drafter):
     def propose(self, tokens, room, params, rng, guide=None) -> Draft:
         # point masses: the engine cuts them at the first token a constraint forbids
         m = self.match(tokens, min(self.gamma, room))
-        return Draft(m.continuation, None, "memory" if m.memory else self.name)
+        return Draft(m.continuation, None, m.source or self.name)
 
     def outcome(self, tokens: list[int]) -> tuple[CopyMatch, int, int] | None:
         """How the last proposal fared against what was committed since:

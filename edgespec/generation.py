@@ -108,8 +108,8 @@ class Generation:
     reads_ahead: bool = False       # it runs alone: its reader asks for the round ahead as it takes tokens
     restored: Optional[bool] = None  # its prompt's prefix came back from the prompt cache (None: no sequence
                                      # yet, or its first piece is in and the stats say it)
-    sources: tuple = ()             # token sequences its copies may draft from besides its context
-                                    # (prompts.quoted_sources: texts as a call's JSON string writes them)
+    sources: object = None          # what its copies may draft from besides its context: the prompt's
+                                    # texts as a call's JSON string writes them (ChatPrompt.sources)
     carry: Optional[np.ndarray] = None         # the prompt's last row, for the first round (rounds._feed)
     ahead: Optional[Callable] = None           # under a constraint: what the grammar drafts ahead
     t1: float = 0.0                 # when its prompt was in (decode time counts from here)

@@ -13,6 +13,7 @@ import numpy as np
 
 from .chat import render, render_segments, validate_messages
 from .constraints import Constraint, Guide, tokenizer_for
+from .drafters.recall import DraftMemory
 from .errors import ConstraintError, ContextLengthError, UsageError
 from .request import Request, check_text
 from .tools import detect
@@ -40,7 +41,7 @@ def _only_eog(guide: Guide, target) -> bool:
 
 QUOTED_MIN = 64        # characters: a text shorter than this is not worth a source of its own
 QUOTED_MAX = 32768     # tokens of quoted sources a request keeps (the latest texts first)
-_NUMBERED = re.compile(r"^ *\d+\t", re.M)
+_NUMBERED = re.compile(r"^ *\d+(?:\t|\u2192)", re.M)  # "7<tab>code"; earlier Claude Codes wrote "7→code"
 
 
 def _without_line_numbers(text: str) -> str:
@@ -60,7 +61,7 @@ class ChatPrompt:
     format: object = None      # tools.Format when the request had tools
     dropped: int = 0           # messages left out (overflow="drop-oldest")
     guide: Optional[Guide] = None
-    sources: tuple = ()        # quoted_sources: what a call's arguments may copy, as they write it
+    sources: object = None     # quoted_sources, indexed (recall.DraftMemory): what a call may copy
 
 
 class PromptBuilder:
@@ -186,12 +187,13 @@ class PromptBuilder:
         tokens, dropped = self.conversation_tokens(messages, room=request.max_tokens if room is None else room,
                                                    overflow=overflow, **extra)
         calls = request.tools is not None and request.tools.choice != "none"  # none: text only, never parsed
-        sources = self.quoted_sources(given) if calls else ()
+        sources = DraftMemory.of_sources(self.quoted_sources(given)) if calls else None
         return ChatPrompt(tokens, request, fmt if calls else None, dropped, self.guide(request), sources)
 
     def quoted_sources(self, messages) -> tuple:
-        """What a call's arguments may copy from the conversation, tokenized as they write it: each
-        tool result and user turn of QUOTED_MIN characters or more, as the inside of a JSON string
+        """What a call's arguments may copy from the conversation, tokenized as they write it, the
+        latest first: each tool result and user turn given (those `drop-oldest` left out of the
+        prompt too) of QUOTED_MIN characters or more, as the inside of a JSON string
         (newlines as \\n, quotes as \\"), line numbers of a `cat -n` listing left out (Claude Code's
         Read). An agent rewriting a file it has read writes it this way in a Write or Edit call, which
         prompt lookup cannot follow: the prompt holds the file's lines, not their escaped text. Drafts
@@ -205,6 +207,9 @@ class PromptBuilder:
                 quoted = json.dumps(_without_line_numbers(text), ensure_ascii=False)[1:-1]
                 if quoted == text:  # nothing escaped: prompt lookup finds it as it is
                     continue
+                # cut before tokenizing (a token holds far fewer than 16 characters): a tool result
+                # of megabytes is not tokenized whole for a bounded source
+                quoted = quoted[:16 * (QUOTED_MAX - total)]
                 toks = t.tokenize(quoted, add_bos=False, special=False)[:QUOTED_MAX - total]
                 out.append(toks)
                 total += len(toks)

@@ -56,7 +56,7 @@ def start(gen: Generation, target, sequences, lanes, busy: set, limit: Optional[
     lane = gen.drafter = lanes(gen.seq)
     if lane is not None:
         lane.begin(list(gen.tokens))
-        if gen.sources:
+        if gen.sources is not None:
             lane.use_sources(gen.sources)
     if gen.guide is not None:  # what the grammar drafts ahead: decided once a generation
         gen.ahead = gen.guide.likely if drafts_likely(lane.policy if lane is not None else None) else gen.guide.forced

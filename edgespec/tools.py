@@ -25,7 +25,7 @@ log = logging.getLogger("edgespec.tools")
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 CHOICES = ("auto", "none", "required")
-# the separators Jinja's tojson writes, which is how templates show calls to the model in training
+# the separators templates' tojson writes (json.dumps's, chat.tojson), how calls were shown to the model in training
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -191,6 +191,11 @@ def test_claude_codes_billing_header_is_left_out_so_sessions_share_a_prefix():
     # a system prompt that merely begins with other text keeps every block
     body = dict(CLAUDE["body"], system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}])
     assert messages(body).chat().messages[0].content == "Be brief.\nBe kind."
+    # only a first text block of one line is the header: one that goes on, or comes later, is read
+    header = "x-anthropic-billing-header: cc_version=1;"
+    for system in ([{"type": "text", "text": header + "\nBe brief."}],
+                   [{"type": "text", "text": "Be brief."}, {"type": "text", "text": header}]):
+        assert header in messages(dict(CLAUDE["body"], system=system)).chat().messages[0].content
 
 
 def test_tojson_writes_json_as_templates_expect_it():

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from edgespec.drafters.copy import CopyDrafter
+from edgespec.drafters.recall import DraftMemory
 from edgespec.prompts import PromptBuilder, _without_line_numbers
 
 FILE = 'import sys\n\n\ndef main(argv):\n    """Print "hello" and the arguments."""\n    print("hello", argv)\n'
@@ -27,6 +28,7 @@ def test_a_cat_n_listing_loses_its_line_numbers_and_other_text_is_kept():
     assert _without_line_numbers(noted) == FILE + "<system-reminder>Consider whether the file is malicious.</system-reminder>\n"
     prose = "1\tone thing\nand then another\nand a third\nwith a fourth"
     assert _without_line_numbers(prose) == prose
+    assert _without_line_numbers("     1\u2192import sys\n     2\u2192x = 1\n") == "import sys\nx = 1\n"  # earlier Read
 
 
 def test_the_copy_drafter_drafts_from_a_source_and_forgets_it_with_the_next_generation():
@@ -34,19 +36,33 @@ def test_the_copy_drafter_drafts_from_a_source_and_forgets_it_with_the_next_gene
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     source = list(range(100, 140))
     d.begin(prompt)
-    d.use_sources([source])
+    d.use_sources(DraftMemory.of_sources([source]))
     m = d.match(prompt + [9] + source[:6], 8)
     assert m.continuation == source[6:14] and m.source == "quoted" and m.run == 6 and m.state == "fresh"
     # agreeing as long as an aligned copy does, it is judged as one (a file written again)
     m = d.match(prompt + [9] + source[:20], 8)
     assert m.continuation == source[20:28] and m.state == "aligned" and m.in_prompt
-    # where the context's own copy agrees for longer, the context's is drafted
-    ctx = prompt + source[:10] + [9] + source[:10]
+    # where the context's own copy agrees as long or longer, the context's is drafted
+    ctx = prompt + source[:10] + [9] + [50] + source[:10]
     d.begin(ctx[:len(prompt) + 11])
-    d.use_sources([source[:12] + [77] * 10])
-    assert d.match(ctx, 4).source is None
+    d.use_sources(DraftMemory.of_sources([[51] + source[:12] + [77] * 10]))
+    assert d.match(ctx, 4).source is None and d.match(ctx, 4).continuation == [9, 50] + source[:2]
+    d.end(ctx)
+    assert d.sources is None  # the index goes with its generation
     d.begin(prompt)  # a new generation: no sources until it is given its own
     assert d.match(prompt + source[:6], 8).continuation == []
+
+
+def test_of_two_versions_of_a_text_the_latest_is_drafted():
+    """quoted_sources gives the latest text first: an agent that read a file, edited it and read it
+    again writes from the second version."""
+    old = list(range(100, 120)) + [1, 2, 3, 4]
+    new = list(range(100, 120)) + [5, 6, 7, 8]
+    d = CopyDrafter()
+    d.begin([0])
+    d.use_sources(DraftMemory.of_sources([new, old]))
+    assert d.match([0] + list(range(100, 120)), 4).continuation == [5, 6, 7, 8]
+    assert DraftMemory.of_sources([[1, 2], [3]]) is None  # nothing long enough to index
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +84,12 @@ def test_a_requests_tool_results_are_its_quoted_sources(smol_engine):
     from edgespec.request import Request
     eng = smol_engine
     with_tools = Request.build(max_tokens=16, tools=[WRITE])
+    quoted = eng.target.tokenize(json.dumps(FILE)[1:-1], add_bos=False, special=False)
+    assert eng.quoted_sources(_conversation(LISTING)) == (quoted,)
     prompt = eng.prepare_chat(_conversation(LISTING), with_tools)
-    assert prompt.sources == (eng.target.tokenize(json.dumps(FILE)[1:-1], add_bos=False, special=False),)
-    assert eng.prepare_chat(_conversation(LISTING), Request.build(max_tokens=16)).sources == ()  # no tools
-    short = eng.prepare_chat(_conversation("1\tx = 1\n"), with_tools)
-    assert short.sources == ()  # shorter than QUOTED_MIN
+    assert len(prompt.sources) == len(quoted) + 1 and prompt.sources.match([7] + quoted[:6], 4).continuation == quoted[6:10]
+    assert eng.prepare_chat(_conversation(LISTING), Request.build(max_tokens=16)).sources is None  # no tools
+    assert eng.quoted_sources(_conversation("1\tx = 1\n")) == ()  # shorter than QUOTED_MIN
 
 
 INVENTORY = (

@@ -3,8 +3,9 @@
 The session is what `serve --record FILE` wrote while an agent (Claude Code, Codex) worked: one JSON
 line per request, its path (/v1/messages, /v1/responses, /v1/chat/completions) and body. Each server
 below starts fresh and gets the session's requests in their order, each streamed at T = 0 (the agent's
-own sampling settings would make two servers' answers differ for reasons that are not theirs); the
-bodies are replayed as recorded, so every server reads the same conversation whatever it answers.
+own sampling settings would make two servers' answers differ for reasons that are not theirs) with its
+answer capped at --agent-max-tokens; the bodies are otherwise replayed as recorded, so every server
+reads the same conversation whatever it answers.
 
     edgespec none            plain decoding through `edgespec serve --drafter none`
     edgespec auto            `edgespec serve` (the default drafter)
@@ -21,7 +22,7 @@ mode, in the same run. Minutes per server on a CPU: an agent's first prompt is 3
 With --peer every server gets the session in a form both accept and render alike (`both_accept`): what
 only edgespec reads (Codex's `namespace` tool and `additional_tools` input item, Claude Code's system
 blocks) is written as edgespec reads it, in fields llama-server reads the same way; the report lists
-what was changed. Without --peer the bodies go as recorded.
+what was changed. Without --peer the bodies go as recorded (but for the cap).
 """
 from __future__ import annotations
 
@@ -75,9 +76,11 @@ def both_accept(session: list[dict]) -> tuple[list[dict], list[str]]:
                 body["input"] = [i for i in items if not isinstance(i, dict) or i.get("type", "message") in COMMON_ITEMS]
             kept = []
             for t in tools:
-                if isinstance(t, dict) and t.get("type") == "function":
+                if not isinstance(t, dict):
+                    changed.add("Responses: tools that are no objects left out")
+                elif t.get("type") == "function":
                     kept.append(t)
-                elif isinstance(t, dict) and t.get("type") == "namespace":  # its functions, as edgespec offers them
+                elif t.get("type") == "namespace":  # its functions, as edgespec offers them
                     kept += [f for f in t.get("tools") or () if isinstance(f, dict) and f.get("type") == "function"]
                     changed.add("Responses: namespace tools' functions offered one by one (as edgespec offers them)")
                 else:
@@ -85,7 +88,7 @@ def both_accept(session: list[dict]) -> tuple[list[dict], list[str]]:
             names = [f.get("name") for f in kept]
             kept = [f if names.count(f.get("name")) == 1 else None for f in kept]
             if None in kept:
-                changed.add("Responses: functions of one name in two namespaces left out")
+                changed.add("Responses: functions sharing a name (edgespec offers them as namespace.name) left out")
                 kept = [f for f in kept if f is not None]
             if "tools" in body or kept:
                 body["tools"] = kept
@@ -99,15 +102,15 @@ def _messages_both_accept(body: dict, changed: set) -> None:
     """A Messages body in place: what llama-server reads another way than edgespec written as both
     read it alike (text blocks joined by a newline, an error result's text marked), Claude Code's
     billing header left out (edgespec leaves it out: server/anthropic.py), server tools left out."""
-    from ..server.anthropic import BILLING
+    from ..server.anthropic import _without_billing
 
     def text(blocks) -> str:
         return "\n".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text")
 
     system = body.get("system")
     if isinstance(system, list):
-        if system and isinstance(system[0], dict) and str(system[0].get("text", "")).startswith(BILLING):
-            system = system[1:]
+        if _without_billing(system) is not system:
+            system = _without_billing(system)
             changed.add("Messages: Claude Code's billing header block left out of system")
         body["system"] = text(system)
         changed.add("Messages: system text blocks joined by a newline (llama-server joins them with nothing)")
@@ -124,7 +127,7 @@ def _messages_both_accept(body: dict, changed: set) -> None:
         kept = [t for t in body["tools"] if isinstance(t, dict) and t.get("type") in (None, "custom")]
         for t in body["tools"]:
             if t not in kept:
-                changed.add(f"Messages: server tool {t.get('type')} left out")
+                changed.add(f"Messages: server tool {t.get('type') if isinstance(t, dict) else t!r} left out")
         body["tools"] = kept
 
 
@@ -166,10 +169,11 @@ def capped(session: list[dict], cap: Optional[int]) -> list[dict]:
     out = []
     for turn in session:
         body, key = dict(turn["body"]), CAP_FIELDS[turn["path"]]
-        if turn["path"] == "/v1/chat/completions" and "max_completion_tokens" in body:
-            key = "max_completion_tokens"
-        given = body.get(key)
-        body[key] = min(given, cap) if isinstance(given, int) and given > 0 else cap
+        keys = [k for k in (key, "max_completion_tokens") if k in body] if turn["path"] == "/v1/chat/completions" else []
+        for k in keys or [key]:
+            given = body.get(k)
+            ok = isinstance(given, int) and not isinstance(given, bool) and given > 0
+            body[k] = min(given, cap) if ok else cap
         out.append({"path": turn["path"], "body": body})
     return out
 

@@ -97,8 +97,9 @@ class Drafter:
         without lookups ignores it."""
 
     def use_sources(self, sources) -> None:
-        """For this generation (after `begin`): token sequences its copies may draft from besides
-        the context (prompts.quoted_sources); a drafter without copies ignores them."""
+        """For this generation (after `begin`): what its copies may draft from besides the context
+        (ChatPrompt.sources, a recall.DraftMemory of the prompt's quoted texts); a drafter
+        without copies ignores it."""
 
     def fork(self, seq: int) -> "Drafter":
         from ..errors import UsageError

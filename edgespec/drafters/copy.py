@@ -72,18 +72,14 @@ class CopyDrafter(Drafter):
         self.ngram.use_memory(memory)
 
     def use_sources(self, sources) -> None:
-        """This generation's lookups also draw on these token sequences (prompts.quoted_sources: the
-        prompt's texts as a call's JSON string writes them), indexed as a draft memory is; `begin`
-        forgets them."""
-        sources = [list(s) for s in sources if len(s) > 1]
-        if not sources:
-            return
-        self.sources = DraftMemory(sum(len(s) + 1 for s in sources) + 1, lead=0)
-        for s in sources:
-            self.sources.add(s)
+        """This generation's lookups also draw on `sources`: the prompt's texts as a call's JSON
+        string writes them, indexed as a draft memory is (`DraftMemory.of_sources`, built with the
+        prompt, off the engine thread; read-only here). `begin` and `end` forget them."""
+        self.sources = sources
 
     def end(self, tokens: list[int]) -> None:
         self.ngram.end(tokens)
+        self.sources = None
 
     def reset(self) -> None:
         """Forget the request, what it learnt, and the draft memory's answers."""

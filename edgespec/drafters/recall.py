@@ -172,6 +172,19 @@ class DraftMemory:
                     return Recall(run, cont)
         return NO_RECALL
 
+    @classmethod
+    def of_sources(cls, sources) -> Optional["DraftMemory"]:
+        """A memory holding `sources` (token sequences, the most recent first), for one generation's
+        lookups (prompts.quoted_sources); None when none is long enough to index. Where two share
+        an n-gram the first given (the most recent) is found: they are added oldest first."""
+        sources = [[int(t) for t in s] for s in sources if len(s) > min(KEYS)]
+        if not sources:
+            return None
+        memory = cls(sum(len(s) + 1 for s in sources) + 1, lead=0)
+        for s in reversed(sources):
+            memory.add(s)
+        return memory
+
     def index_size(self) -> int:
         """Keys in the index (tests: nothing of an evicted answer is left behind)."""
         return len(self._index)

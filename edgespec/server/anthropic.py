@@ -187,8 +187,9 @@ def _without_billing(system):
     new session's prompt differ from the first token: the prompt cache could keep nothing of an
     earlier session's 20,000-token prefix. (llama-server, which keeps the block, only masks its
     `cch=` field.)"""
-    if isinstance(system, list) and system and isinstance(system[0], dict) \
-            and str(system[0].get("text", "")).startswith(BILLING) and "\n" not in system[0]["text"].strip():
+    if isinstance(system, list) and system and isinstance(system[0], dict) and system[0].get("type") == "text" \
+            and isinstance(system[0].get("text"), str) and system[0]["text"].startswith(BILLING) \
+            and "\n" not in system[0]["text"].strip():
         return system[1:]
     return system
 

@@ -24,8 +24,8 @@ WRITE = {"type": "function", "function": {"name": "Write", "description": "Write
 
 def test_a_cat_n_listing_loses_its_line_numbers_and_other_text_is_kept():
     assert _without_line_numbers(LISTING) == FILE
-    noted = LISTING + "<system-reminder>Consider whether the file is malicious.</system-reminder>\n"
-    assert _without_line_numbers(noted) == FILE + "<system-reminder>Consider whether the file is malicious.</system-reminder>\n"
+    note = "<system-reminder>Consider whether the file is malicious.</system-reminder>\n"
+    assert _without_line_numbers(LISTING + note) == FILE + note
     prose = "1\tone thing\nand then another\nand a third\nwith a fourth"
     assert _without_line_numbers(prose) == prose
     assert _without_line_numbers("     1\u2192import sys\n     2\u2192x = 1\n") == "import sys\nx = 1\n"  # earlier Read
@@ -76,7 +76,8 @@ def smol_engine(smol):
 def _conversation(content: str) -> list[dict]:
     return [{"role": "user", "content": "Read main.py, then write it again unchanged."},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "Read", "arguments": '{"path": "main.py"}'}}]},
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "Read", "arguments": '{"path": "main.py"}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": content}]
 
 
@@ -87,17 +88,20 @@ def test_a_requests_tool_results_are_its_quoted_sources(smol_engine):
     quoted = eng.target.tokenize(json.dumps(FILE)[1:-1], add_bos=False, special=False)
     assert eng.quoted_sources(_conversation(LISTING)) == (quoted,)
     prompt = eng.prepare_chat(_conversation(LISTING), with_tools)
-    assert len(prompt.sources) == len(quoted) + 1 and prompt.sources.match([7] + quoted[:6], 4).continuation == quoted[6:10]
+    assert len(prompt.sources) == len(quoted) + 1  # and a separator
+    assert prompt.sources.match([7] + quoted[:6], 4).continuation == quoted[6:10]
     assert eng.prepare_chat(_conversation(LISTING), Request.build(max_tokens=16)).sources is None  # no tools
     assert eng.quoted_sources(_conversation("1\tx = 1\n")) == ()  # shorter than QUOTED_MIN
 
 
 INVENTORY = (
     "import json\nimport sys\n\n\ndef load_items(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"
-    "def total_value(items):\n    total = 0.0\n    for item in items:\n        total += item[\"price\"] * item[\"quantity\"]\n"
+    "def total_value(items):\n    total = 0.0\n    for item in items:\n"
+    "        total += item[\"price\"] * item[\"quantity\"]\n"
     "    return total\n\n\ndef low_stock(items, threshold=5):\n"
     "    return [item[\"name\"] for item in items if item[\"quantity\"] < threshold]\n\n\n"
-    "def most_valuable(items):\n    best = None\n    for item in items:\n        value = item[\"price\"] * item[\"quantity\"]\n"
+    "def most_valuable(items):\n    best = None\n    for item in items:\n"
+    "        value = item[\"price\"] * item[\"quantity\"]\n"
     "        if best is None or value > best[1]:\n            best = (item[\"name\"], value)\n    return best\n\n\n"
     "def format_report(items):\n    lines = []\n    lines.append(f\"items: {len(items)}\")\n"
     "    lines.append(f\"total value: {total_value(items):.2f}\")\n    name, value = most_valuable(items)\n"
@@ -117,11 +121,13 @@ def test_a_forced_write_of_a_file_read_is_drafted_from_it_and_changes_no_token(q
     msgs = [{"role": "user", "content": "Read inventory.py, then write it again with the Write tool, renaming "
                                         "total_value to inventory_value everywhere."},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "Read", "arguments": '{"path": "inventory.py"}'}}]},
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "Read", "arguments": '{"path": "inventory.py"}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": listing}]
     read = {"type": "function", "function": {"name": "Read", "description": "Read a file.", "parameters": {
         "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
-    req = Request.build(max_tokens=120, tools=[read, WRITE], tool_choice={"type": "function", "function": {"name": "Write"}})
+    req = Request.build(max_tokens=120, tools=[read, WRITE],
+                        tool_choice={"type": "function", "function": {"name": "Write"}})
     with Engine.load(str(qwen_pair[1]), drafter="auto", n_ctx=4096, cache_ram=0, parallel=1, bit_exact=True) as eng:
         quoted = eng.stream_prompt(eng.prepare_chat(msgs, req)).result()
         monkeypatch.setattr(PromptBuilder, "quoted_sources", lambda self, messages: ())

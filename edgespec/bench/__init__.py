@@ -87,7 +87,8 @@ class Options:
                                  "edgespec none and auto, and llama-server with --peer): leave out other kinds, "
                                  "--modes, --sweep, --acceptance and --parallel-requests")
             if self.agent_max_tokens < 0:
-                raise UsageError(f"--agent-max-tokens must be >= 0 (0: the agent's own limits), got {self.agent_max_tokens}")
+                raise UsageError("--agent-max-tokens must be >= 0 (0: the agent's own limits), "
+                                 f"got {self.agent_max_tokens}")
             return self
         if self.agent_session is not None:
             raise UsageError(f"--agent-session goes with --kinds {AGENT}")

@@ -73,7 +73,8 @@ def both_accept(session: list[dict]) -> tuple[list[dict], list[str]]:
                         changed.add("Responses: an additional_tools item's tools moved to tools")
                     elif isinstance(item, dict) and item.get("type", "message") not in COMMON_ITEMS:
                         changed.add(f"Responses: {item.get('type')} input items left out")
-                body["input"] = [i for i in items if not isinstance(i, dict) or i.get("type", "message") in COMMON_ITEMS]
+                body["input"] = [i for i in items
+                                 if not isinstance(i, dict) or i.get("type", "message") in COMMON_ITEMS]
             kept = []
             for t in tools:
                 if not isinstance(t, dict):
@@ -169,7 +170,8 @@ def capped(session: list[dict], cap: Optional[int]) -> list[dict]:
     out = []
     for turn in session:
         body, key = dict(turn["body"]), CAP_FIELDS[turn["path"]]
-        keys = [k for k in (key, "max_completion_tokens") if k in body] if turn["path"] == "/v1/chat/completions" else []
+        chat = turn["path"] == "/v1/chat/completions"
+        keys = [k for k in (key, "max_completion_tokens") if k in body] if chat else []
         for k in keys or [key]:
             given = body.get(k)
             ok = isinstance(given, int) and not isinstance(given, bool) and given > 0
@@ -357,8 +359,8 @@ def per_request(results: dict[str, list[dict]]) -> list[dict]:
         row = {"request": i + 1, "servers": {}}
         for name, turns in results.items():
             t = turns[i] if i < len(turns) else {"error": "not run"}
-            row["servers"][name] = ({"error": t["error"]} if "error" in t else
-                                    {k: t.get(k) for k in ("prompt_tokens", "cached", "output_tokens", "ttft", "total")})
+            keys = ("prompt_tokens", "cached", "output_tokens", "ttft", "total")
+            row["servers"][name] = {"error": t["error"]} if "error" in t else {k: t.get(k) for k in keys}
         answered = [v for v in row["servers"].values() if "error" not in v]
         row["same_prompt"] = len({v["prompt_tokens"] for v in answered}) <= 1
         row["same_output"] = len({v["output_tokens"] for v in answered}) <= 1

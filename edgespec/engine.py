@@ -517,8 +517,8 @@ class Engine(PromptBuilder):
         guide, prompt.guide = prompt.guide, None
         if guide is None:
             guide = self.guide(prompt.request)
-        gen = Generation(list(prompt.tokens), prompt.request, stats, guide, _rng(prompt.request.seed))
-        gen.sources = prompt.sources
+        gen = Generation(list(prompt.tokens), prompt.request, stats, guide, _rng(prompt.request.seed),
+                         sources=prompt.sources)
         stream = Stream(self, gen)
         if prompt.format is not None:
             stream._tools = StreamParser(prompt.format, prompt.request.tools)

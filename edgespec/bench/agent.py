@@ -100,30 +100,28 @@ def both_accept(session: list[dict]) -> tuple[list[dict], list[str]]:
 
 
 def _messages_both_accept(body: dict, changed: set) -> None:
-    """A Messages body in place: what llama-server reads another way than edgespec written as both
-    read it alike (text blocks joined by a newline, an error result's text marked), Claude Code's
-    billing header left out (edgespec leaves it out: server/anthropic.py), server tools left out."""
-    from ..server.anthropic import _without_billing
-
-    def text(blocks) -> str:
-        return "\n".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text")
-
-    system = body.get("system")
-    if isinstance(system, list):
-        if _without_billing(system) is not system:
-            system = _without_billing(system)
-            changed.add("Messages: Claude Code's billing header block left out of system")
-        body["system"] = text(system)
-        changed.add("Messages: system text blocks joined by a newline (llama-server joins them with nothing)")
-    for m in body.get("messages") or ():
-        for b in m.get("content") if isinstance(m, dict) and isinstance(m.get("content"), list) else ():
-            if isinstance(b, dict) and b.get("type") == "tool_result":
-                if isinstance(b.get("content"), list):
-                    b["content"] = text(b["content"])
-                    changed.add("Messages: tool_result text blocks joined by a newline")
-                if b.pop("is_error", None):
-                    b["content"] = "Error: " + str(b.get("content") or "")
-                    changed.add("Messages: an error tool_result's text begins with 'Error: '")
+    """A Messages body in place: what llama-server reads another way than edgespec, written as
+    edgespec reads it (server/anthropic.py's own functions: system blocks and a tool result's blocks
+    joined, an error result's text marked, Claude Code's billing header left out), in fields
+    llama-server reads the same way; server tools left out."""
+    from ..server.anthropic import _result, _text, _without_billing
+    from ..server.schemas import ApiError
+    try:
+        system = body.get("system")
+        if isinstance(system, list):
+            if _without_billing(system) is not system:
+                changed.add("Messages: Claude Code's billing header block left out of system")
+            body["system"] = _text(_without_billing(system), "system")
+            changed.add("Messages: system text blocks joined by a newline (llama-server joins them with nothing)")
+        for m in body.get("messages") or ():
+            for b in m.get("content") if isinstance(m, dict) and isinstance(m.get("content"), list) else ():
+                if isinstance(b, dict) and b.get("type") == "tool_result" and \
+                        (isinstance(b.get("content"), list) or b.get("is_error")):
+                    b["content"] = _result(b, "tool_result")["content"]
+                    b.pop("is_error", None)
+                    changed.add("Messages: tool_result blocks joined, an error's text beginning 'Error: '")
+    except ApiError as exc:  # a body edgespec refuses: the session is not one to replay
+        raise UsageError(f"a recorded /v1/messages request edgespec refuses: {exc.message}") from None
     if isinstance(body.get("tools"), list):
         kept = [t for t in body["tools"] if isinstance(t, dict) and t.get("type") in (None, "custom")]
         for t in body["tools"]:

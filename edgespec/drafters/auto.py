@@ -84,7 +84,7 @@ class AutoDrafter(Drafter):
         self._bound = None
         if guide is not None and cont:  # judged as the engine will verify it: cut at its first forbidden token
             cont = cont[:guide.legal_prefix(cont)]
-            if m.in_prompt and not (m.memory or m.quoted):  # a value quoted from the prompt: up to its phrase's end
+            if m.in_prompt and m.source is None:  # a value quoted from the prompt: up to its phrase's end
                 cont = cont[:value_end(cont, guide.piece)]
             self._bound = len(cont)
         self._constrained = guide is not None

@@ -37,13 +37,10 @@ class CopyMatch(NamedTuple):
     continuation: list[int]  # what the source says comes next
     in_prompt: bool          # the source lies in the prompt (not in generated text)
     risk: tuple[float, ...] = ()  # per continuation token: how often an edit began at such a place
-    memory: bool = False     # the source is an earlier answer in the draft memory (recall.py)
-    quoted: bool = False     # the source is a text of the prompt as a JSON string writes it (use_sources)
-
-    @property
-    def source(self) -> str | None:
-        """The name its drafts go by when not the drafter's own: "memory", "quoted"."""
-        return "memory" if self.memory else "quoted" if self.quoted else None
+    # where the continuation comes from when not the context: "memory" (an earlier answer in the
+    # draft memory, recall.py) or "quoted" (a text of the prompt as a JSON string writes it,
+    # use_sources); its drafts go by that name
+    source: str | None = None
 
 
 NO_MATCH = CopyMatch("none", 0, [], False)
@@ -252,18 +249,15 @@ class CopyDrafter(Drafter):
             m = NO_MATCH
         if not m.continuation:
             m = NO_MATCH
-        memory = self.ngram.memory
-        if memory is not None:  # an earlier answer that agrees with the context for longer
-            r = memory.match(tokens, limit)
-            if prefer(m.run, m.continuation, r):  # judged as a prompt lookup hit is: a copy of given text
-                m = CopyMatch("fresh", r.run, r.continuation, True, memory=True)
-        if self.sources is not None:  # the prompt's text as the answer's JSON string quotes it
-            r = self.sources.match(tokens, limit)
-            if prefer(m.run, m.continuation, r):
-                # a file written again, not a value quoted: once it agrees as long as an aligned copy
-                # does, it is judged as one (the policy's table of long copies, not of short values)
-                m = CopyMatch("aligned" if r.run >= ALIGNED_MIN else "fresh", r.run, r.continuation, True,
-                              quoted=True)
+        # an earlier answer, or the prompt's text as the answer's JSON string quotes it, that agrees
+        # with the context for longer: judged as a prompt lookup hit is (a copy of given text); a
+        # quoted one is a file written again rather than a value, so once it agrees as long as an
+        # aligned copy does it is judged as one (the policy's table of long copies)
+        for source, origin in ((self.ngram.memory, "memory"), (self.sources, "quoted")):
+            r = source.match(tokens, limit) if source is not None else None
+            if r is not None and prefer(m.run, m.continuation, r):
+                state = "aligned" if origin == "quoted" and r.run >= ALIGNED_MIN else "fresh"
+                m = CopyMatch(state, r.run, r.continuation, True, source=origin)
         self.last = (len(tokens), m) if m.continuation else None
         return m
 

@@ -322,6 +322,9 @@ class LlamaBackend:
         self.can_truncate = not (recurrent or hybrid)
         # per sequence: the KV cache holds these, at positions 0..len-1
         self._held: list[list[int]] = [[] for _ in range(n_seq)]
+        # per sequence: its leading positions computed in the canonical shape (slots.py), as the
+        # caller marks them; lowered wherever the cache is cut below, emptied with it
+        self._canon: list[int] = [0] * n_seq
         self._stray: set[int] = set()
         self._abort_fn = None  # the ctypes callback while abort_when() is in force
         self._interrupted = False  # the caller of the pass under way was interrupted (_Compute)
@@ -453,6 +456,14 @@ class LlamaBackend:
     def sequence(self, seq: int) -> "SequenceView":
         return SequenceView(self, seq)
 
+    def canon(self, seq: int = 0) -> int:
+        """How many leading positions of sequence `seq` were computed in the canonical shape."""
+        return min(self._canon[seq], len(self._held[seq]))
+
+    def mark_canon(self, n: int, seq: int = 0) -> None:
+        """Say that sequence `seq`'s first `n` positions were computed in the canonical shape."""
+        self._canon[seq] = max(0, min(int(n), len(self._held[seq])))
+
     def eval(self, tokens: Sequence[int], rows: Sequence[int], seq: int = 0) -> np.ndarray:
         """Append `tokens` to sequence `seq` at positions n_past.. and return float32 logits for
         `rows` (indices into `tokens`), shape (len(rows), n_vocab)."""
@@ -569,6 +580,7 @@ class LlamaBackend:
         if not _llama().llama_memory_seq_rm(self._mem, seq, pos, -1):
             return False
         del held[pos:]
+        self._canon[seq] = min(self._canon[seq], pos)
         return True
 
     def keep_prefix(self, tokens: Sequence[int], seq: int = 0) -> int:
@@ -602,6 +614,7 @@ class LlamaBackend:
         if not self.truncate(n, dst):
             self.reset(dst)
             return 0
+        self._canon[dst] = min(self._canon[src], n)
         return n
 
     def save_state(self, seq: int = 0) -> tuple[tuple[int, ...], bytes]:
@@ -633,6 +646,7 @@ class LlamaBackend:
         self._drop_stray()
         L.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._held[seq].clear()
+        self._canon[seq] = 0
         data = restream(data, self._n_stream)
         buf = (ctypes.c_uint8 * len(data)).from_buffer(data) if isinstance(data, bytearray) else \
             (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
@@ -652,11 +666,13 @@ class LlamaBackend:
             L.llama_memory_clear(self._mem, True)
             for held in self._held:
                 held.clear()
+            self._canon = [0] * len(self._held)
             self._stray.clear()
         else:
             if not L.llama_memory_seq_rm(self._mem, seq, -1, -1):
                 raise BackendError(f"llama.cpp could not clear sequence {seq} of {self.path.name}")
             self._held[seq].clear()
+            self._canon[seq] = 0
             self._stray.discard(seq)
 
     def close(self) -> None:
@@ -721,6 +737,12 @@ class SequenceView:
 
     def keep_prefix(self, tokens) -> int:
         return self.backend.keep_prefix(tokens, seq=self.seq)
+
+    def canon(self) -> int:
+        return self.backend.canon(self.seq)
+
+    def mark_canon(self, n: int) -> None:
+        self.backend.mark_canon(n, self.seq)
 
     def save_state(self):
         return self.backend.save_state(seq=self.seq)

@@ -48,6 +48,7 @@ class Slot:
     # the leading positions whose KV was computed in whole canonical pieces (slots.Sequences.piece):
     # only those are restored for another prompt (a restored prefix is cut back to them)
     canon: int = 0
+    draft_canon: int = 0  # the same for the draft model's state
     nbytes: int = field(init=False, default=0)
     path: Optional[Path] = field(default=None, compare=False)  # where a slot read from disk came from
 
@@ -55,6 +56,11 @@ class Slot:
         row = self.prompt_row[1].nbytes if self.prompt_row is not None else 0
         self.nbytes = (len(self.target) + (len(self.draft[1]) if self.draft else 0) + row
                        + 8 * len(self.tokens) + ENTRY_OVERHEAD)
+
+
+def _count(v) -> int:
+    """A header's count (a non-negative int), 0 where it is missing or anything else."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
 def common_prefix(a, b) -> int:
@@ -239,9 +245,8 @@ class DiskCache:
         except (KeyError, TypeError, ValueError):
             self._refuse(path)
             return None
-        canon = head.get("canon", 0)
-        canon = canon if isinstance(canon, int) and not isinstance(canon, bool) and canon >= 0 else 0
-        return Slot(tokens, bytearray(payload[:t_len]), draft, None, canon)
+        canon, draft_canon = (_count(head.get(k)) for k in ("canon", "draft_canon"))
+        return Slot(tokens, bytearray(payload[:t_len]), draft, None, canon, draft_canon if draft else 0)
 
     def _refuse(self, path) -> None:
         logging.getLogger("edgespec").warning("prompt cache: %s is damaged (or llama.cpp would not take it); "
@@ -262,7 +267,7 @@ class DiskCache:
                 "sha256": hashlib.sha256(payload).hexdigest()}
         if slot.draft and self.draft_identity is not None:
             head.update(draft_tokens=list(slot.draft[0]), draft_bytes=len(slot.draft[1]),
-                        draft_identity=self.draft_identity)
+                        draft_identity=self.draft_identity, draft_canon=int(slot.draft_canon))
         else:
             payload = bytes(slot.target)
             head.update(size=len(payload), sha256=hashlib.sha256(payload).hexdigest())

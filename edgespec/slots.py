@@ -24,14 +24,26 @@ log = logging.getLogger("edgespec")
 # llama.cpp copies the whole stream of cells (Qwen 1.5B at 4096 tokens: 112 MiB, tens of ms),
 # about what a prefill of a dozen tokens costs on a CPU.
 MIN_COPY = 16
-# The canonical shape of a prompt's computation: pieces of PIECE tokens at absolute positions
-# (0..127, 128..255, ...; the last piece what is left), each a pass of its own. A token's KV depends,
-# in its last bits, on the batch it was computed in (how many rows, how the threads split them), so a
-# prefix is reused (kept, copied from another sequence, restored) only as far as it was computed in
-# whole pieces of this grid: the rest of the prompt is then computed as a fresh prefill computes it,
-# and the answer is the answer alone. 128 rows cost no more than 512 a token on a CPU (Qwen 1.5B,
-# 2 threads: 89 tok/s against 82-87); on a GPU the piece is the batch (GPU_PIECE: n_batch).
+# The canonical shape of a prompt's computation. A token's KV depends, in its last bits, on the pass it
+# was computed in (how many rows, how the kernels group them), so a prefix is reused (kept, copied from
+# another sequence, restored) only as far as it was computed in the canonical shape: the rest of the
+# prompt is then computed as a fresh prefill computes it, and the answer is the answer alone. Two shapes:
+# - tiles, on llama.cpp's CPU kernels with the settings docs/exactness.md's table proves (`tile_of`):
+#   flash attention's CPU kernel computes a whole pass by its tiled path from TILE (64) query rows on,
+#   by another below; the repacked weights' gemm takes rows in fours (GROUP), the rest by a gemv. A row
+#   computed in a pass of at least TILE rows, in its whole groups, has the same KV however the prompt
+#   was split. So a prompt longer than a piece is computed in pieces of PIECE from wherever its kept
+#   prefix ends, the last pass brought to at least TILE rows and a multiple of GROUP (dummy rows after
+#   it, cut from the cache after the pass; where the context has no room for them, the pass begins a
+#   few rows earlier): every position is kept for a later turn, which computes only its new tokens.
+#   A prompt of one piece is computed whole, as llama.cpp computes it in one batch.
+# - the grid, elsewhere (a GPU, unproven settings): pieces of PIECE tokens at absolute positions
+#   (0..127, 128..255, ...; the last piece what is left); a prefix reused only as far as whole pieces
+#   of the grid. On a GPU the piece is the batch (n_batch).
+# 128 rows cost no more than 512 a token on a CPU (Qwen 1.5B, 2 threads: 89 tok/s against 82-87).
 PIECE = 128
+TILE = 64
+GROUP = 4
 
 
 class Sequences:
@@ -43,20 +55,22 @@ class Sequences:
         # so it takes the same path as the first time (its last token evaluated again, alone,
         # would round differently)
         self.prompt_row: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
-        # per sequence: its leading positions computed in whole canonical pieces (`piece`)
+        # per sequence: its leading positions computed in the canonical shape (whole tiles, or
+        # whole pieces of the grid)
         self.canon: dict[int, int] = {}
         self.piece = piece_of(target)
+        self.tile = tile_of(target)  # 0: the grid
         self._used: dict[int, int] = {}
         self._tick = 0
 
     def canonical(self, seq: int, n: int, source: Optional[int] = None) -> int:
         """How much of an `n`-token prefix held by sequence `source` (default `seq`) may be reused:
-        what it computed in whole canonical pieces, cut to a multiple of the piece."""
+        what it computed in the canonical shape (on the grid: cut to a multiple of the piece)."""
         src = seq if source is None else source
         if not getattr(self.target, "can_truncate", True):  # a recurrent model: its state is not cut back
             return min(n, len(self.target.held(src)))
         n = min(n, self.canon.get(src, 0), len(self.target.held(src)))
-        return n - n % self.piece
+        return n if self.tile else n - n % self.piece
 
     @property
     def caching(self) -> bool:
@@ -139,17 +153,17 @@ class Sequences:
             if row is not None:
                 self.prompt_row[seq] = row
             d = self.draft
-            if d is not None:  # as far as the target's: the draft's pieces follow the same grid
-                n = min(common_prefix(d.held(donor), head), self.canon[seq])
-                n -= n % self.piece
+            if d is not None:  # as far as the draft computed it in the canonical shape too
+                n = min(common_prefix(d.held(donor), head), d.canon(donor))
+                n = n if self.tile else n - n % self.piece
                 if n > common_prefix(d.held(seq), head):
-                    d.copy_prefix(donor, seq, n)
+                    d.copy_prefix(donor, seq, n)  # its canonical prefix goes with it
         return False
 
     def _usable(self, slot: Slot, n: int) -> int:
-        """How much of a saved slot's `n`-token prefix may be restored (its canonical pieces)."""
+        """How much of a saved slot's `n`-token prefix may be restored (its canonical shape)."""
         n = min(n, slot.canon)
-        return n - n % self.piece
+        return n if self.tile else n - n % self.piece
 
     def prefill(self, seq: int, tokens: list[int], limit: Optional[int] = None
                 ) -> tuple[Optional[np.ndarray], int]:
@@ -164,28 +178,34 @@ class Sequences:
                 and held[:len(tokens)] == tokens and target.truncate(len(tokens), seq)):
             return saved[1], len(tokens)
         self.prompt_row.pop(seq, None)
-        # what is kept is cut back to the canonical pieces; the rest is computed in them (PIECE)
-        kept = target.keep_prefix(tokens, seq)
-        keep = self.canonical(seq, kept)
+        # what is kept is cut back to the canonical shape; the rest is computed in it
+        kept, p, n = target.keep_prefix(tokens, seq), self.piece, len(tokens)
+        keep = self.canonical(seq, kept) if not (self.tile and n <= p) else 0  # one piece: whole
         if keep < kept and not target.truncate(keep, seq):
             target.reset(seq)
             keep = 0
-        kept, p, n = keep, self.piece, len(tokens)
+        kept = keep
         self.canon[seq] = at = kept
-        # with `limit`, whole pieces up to it (at least one) now, the rest in later calls
-        stop = n if limit is None else min(n, max(at - at % p + p, (at + limit) - (at + limit) % p))
+        # with `limit`, whole pieces up to it (at least one) now, the rest in later calls; on the grid
+        # the pieces lie at multiples of `p`, in tiles from where the kept prefix ends
+        base = at if self.tile else at - at % p
+        stop = n if limit is None else min(n, base + max(p, (at + limit - base) - (at + limit - base) % p))
         while at < n:
-            end = min(n, at - at % p + p)
+            end = min(n, base + ((at - base) // p + 1) * p)
             if end > stop:
                 return None, kept
             if end == n:
-                row = target.eval(tokens[at:], [n - at - 1], seq)
+                row = last_pass(target.sequence(seq) if seq else target, tokens, at, self.tile)[0] \
+                    if self.tile and n > p else target.eval(tokens[at:], [n - at - 1], seq)
                 break
             target.eval(tokens[at:end], [], seq)
             at = end
             self.canon[seq] = at
         check_finite(target, row)
-        self.canon[seq] = n - n % p
+        if self.tile:  # one piece: its rows in whole groups of a pass of at least a tile
+            self.canon[seq] = n if n > p else n - n % GROUP if n >= self.tile else 0
+        else:
+            self.canon[seq] = n - n % p
         self.prompt_row[seq] = (tuple(tokens), row)
         return row, kept
 
@@ -206,7 +226,8 @@ class Sequences:
         # auto's draft model may hold another conversation (it catches up only when it drafts)
         dstate = (d.save_state(seq) if d is not None
                   and common_prefix(d.held(seq), toks) >= min(MIN_TOKENS, len(d.held(seq))) > 0 else None)
-        return Slot(toks, data, dstate, self.prompt_row.get(seq), min(self.canon.get(seq, 0), len(toks)))
+        return Slot(toks, data, dstate, self.prompt_row.get(seq), min(self.canon.get(seq, 0), len(toks)),
+                    d.canon(seq) if dstate is not None else 0)
 
     def _load(self, seq: int, slot: Slot) -> None:
         self.target.load_state(slot.tokens, slot.target, seq)
@@ -215,6 +236,7 @@ class Sequences:
             try:
                 if slot.draft is not None:
                     d.load_state(*slot.draft, seq)
+                    d.mark_canon(slot.draft_canon, seq)
                 else:
                     d.reset(seq)
             except BackendError:  # a saved draft state of another draft model: it catches up instead
@@ -254,6 +276,53 @@ def piece_of(backend) -> int:
     on_gpu = bool(settings.get("gpu_offload")) and settings.get("n_gpu_layers", 0) != 0
     batch = getattr(root, "n_batch", 512)
     return batch if on_gpu else min(PIECE, batch)
+
+
+# The settings docs/exactness.md's table proves the tile rule for (llama.cpp's CPU kernels, 1 and 2
+# threads, Q4_1 and Q4_K_M weights, flash attention on, auto or off): an f16 or q8_0 KV cache.
+_TILE_KV = {"f16", "q8_0"}
+
+
+def tile_of(backend) -> int:
+    """TILE where the tile rule is proven for a backend (llama.cpp on this machine's CPU, the
+    settings of _TILE_KV, each pass one batch): its prompts are computed in tiles; 0 where they
+    keep the grid (a GPU, other settings)."""
+    root = getattr(backend, "backend", backend)  # a SequenceView: its backend's
+    given = getattr(root, "canonical_tile", None)  # a backend that says its own (the test fakes)
+    if isinstance(given, int) and given >= 0:
+        return given
+    settings = getattr(root, "settings", None)
+    if not isinstance(settings, dict) or not getattr(root, "repack", False) \
+            or getattr(root, "n_batch", 0) < PIECE:  # a pass is one batch
+        return 0
+    if bool(settings.get("gpu_offload")) and settings.get("n_gpu_layers", 0) != 0:
+        return 0
+    return TILE if {getattr(root, "type_k", None), getattr(root, "type_v", None)} <= _TILE_KV else 0
+
+
+def last_pass(be, tokens: list[int], at: int, tile: int) -> tuple[np.ndarray, bool]:
+    """The last pass of a prompt longer than a piece, in tiles, on a one-sequence backend (a
+    SequenceView, or sequence 0) holding tokens[:at]: tokens[at:] brought to at least `tile` and a
+    multiple of GROUP rows, by dummy rows after them (the causal mask hides them from the prompt's rows;
+    cut from the cache after the pass) or, where the context has no room for them, by beginning the
+    pass earlier (rows computed again as they were: in whole groups of passes of a tile or more).
+    Returns the last token's row and whether the pass was in tiles (not where neither could be)."""
+    n = len(tokens)
+    rows = n - at
+    want = max(tile, rows + -rows % GROUP)
+    if want == rows:
+        return be.eval(tokens[at:], [rows - 1]), True
+    if at + want <= be.n_ctx:
+        out = be.eval(list(tokens[at:]) + [tokens[-1]] * (want - rows), [rows - 1])
+        if not be.truncate(n):
+            raise BackendError(f"{be.path.name}: the KV cache could not cut a prompt's padding back")
+        return out, True
+    start = n - want  # > 0 for a prompt longer than a piece
+    if start < 0:
+        return be.eval(tokens[at:], [rows - 1]), False
+    if not be.truncate(start):
+        raise BackendError(f"{be.path.name}: the KV cache could not be cut back")
+    return be.eval(tokens[start:], [want - 1]), True
 
 
 def _runs(seqs: set) -> int:

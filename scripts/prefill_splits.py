@@ -18,6 +18,9 @@ attention's CPU kernel: whole tiles of 64 query rows in one kernel, the rows lef
     grid128pad  pieces of 128, the last one padded to a multiple of 64 (the second reference)
     pad64m      random sizes 1..200, every piece padded to a multiple of 64 (a later turn's new tokens)
     mult64      random multiples of 64 (64..192), the last padded
+    pad64x4b    pad64x4 against this reference: every pass of at least 64 rows and a multiple of 4 (flash
+                attention's CPU kernel takes a whole pass by its tiled path from 64 query rows on, the
+                repacked weights' gemm rows in fours: ops.cpp, neq1 >= GGML_FA_TILE_Q)
 
 Padding: dummy tokens appended after a piece's real ones, at later positions (the causal mask hides them
 from the real rows), then removed from the cache (llama_memory_seq_rm) before the next piece.
@@ -93,6 +96,7 @@ def run(model: str, fa: str, threads: int, kv: str, seed: int = 0) -> list[dict]
         "grid128pad": (_sizes(n, rng, 128, 128), _pad64),
         "pad64m": (_sizes(n, rng, 1, 200), _pad64),
         "mult64": (_sizes(n, rng, 64, 192, 64), _pad64),
+        "pad64x4b": (_sizes(n, rng, 1, 200), _pad),  # pad64x4 against grid128pad (every pass >= 64 rows)
     }
     out, ref = [], None
     for name, (sizes, pad) in ways.items():

@@ -24,7 +24,9 @@ class FakeBackend:
         self.n_batch = n_batch
         # slots.piece_of: the canonical piece of a prompt's computation (4: tiny prompts still reuse)
         self.canonical_piece = 4
+        self.canonical_tile = 0  # slots.tile_of: the grid (a test sets tiles of its own)
         self.caches: list[list[int]] = [[] for _ in range(n_seq)]  # what each sequence's KV cache holds
+        self.canons = [0] * n_seq  # backend.LlamaBackend.canon
         self.evals = 0
         self.batches: list[list[tuple[int, int, int]]] = []  # per eval_batch: (seq, tokens, rows) of each part
         self.closed = False
@@ -110,7 +112,14 @@ class FakeBackend:
 
     def truncate(self, pos, seq=0):
         del self.caches[seq][pos:]
+        self.canons[seq] = min(self.canons[seq], pos)
         return True
+
+    def canon(self, seq=0):
+        return min(self.canons[seq], len(self.caches[seq]))
+
+    def mark_canon(self, n, seq=0):
+        self.canons[seq] = min(n, len(self.caches[seq]))
 
     def pos_max(self, seq=0):
         return len(self.caches[seq]) - 1
@@ -118,6 +127,7 @@ class FakeBackend:
     def reset(self, seq=None):
         for s in (range(self.n_seq) if seq is None else [seq]):
             self.caches[s].clear()
+            self.canons[s] = 0
 
     def keep_prefix(self, tokens, seq=0):
         cache = self.caches[seq]
@@ -132,6 +142,7 @@ class FakeBackend:
     def copy_prefix(self, src, dst, n):
         n = min(n, len(self.caches[src]))
         self.caches[dst][:] = self.caches[src][:n]
+        self.canons[dst] = min(self.canons[src], n)
         return n
 
     def close(self):

@@ -233,6 +233,7 @@ class SimBackend:
     budget)."""
 
     canonical_piece = 64
+    canonical_tile = 0  # slots.tile_of: the grid
 
     def __init__(self, vocab, rows: np.ndarray, a_ms: float, b_ms: float, n_seq: int = 1, name: str = "sim",
                  offset: int = 0):
@@ -245,6 +246,7 @@ class SimBackend:
         self.can_truncate = True
         self.settings = {"sim": name}
         self._held: list[list[int]] = [[] for _ in range(n_seq)]
+        self._canon = [0] * n_seq  # as LlamaBackend's
         self.busy = 0.0
         self.passes = 0
         self.fed: list[int] = []  # tokens fed, per pass
@@ -324,7 +326,14 @@ class SimBackend:
 
     def truncate(self, pos, seq=0):
         del self._held[seq][pos:]
+        self._canon[seq] = min(self._canon[seq], pos)
         return True
+
+    def canon(self, seq=0):
+        return min(self._canon[seq], len(self._held[seq]))
+
+    def mark_canon(self, n, seq=0):
+        self._canon[seq] = min(n, len(self._held[seq]))
 
     def pos_max(self, seq=0):
         return len(self._held[seq]) - 1
@@ -332,6 +341,7 @@ class SimBackend:
     def reset(self, seq=None):
         for s in (range(self.n_seq) if seq is None else [seq]):
             self._held[s].clear()
+            self._canon[s] = 0
 
     def keep_prefix(self, tokens, seq=0):
         held = self._held[seq]
@@ -346,6 +356,7 @@ class SimBackend:
     def copy_prefix(self, src, dst, n):
         n = min(n, len(self._held[src]))
         self._held[dst][:] = self._held[src][:n]
+        self._canon[dst] = min(self._canon[src], n)
         return n
 
     def close(self):

@@ -13,7 +13,7 @@ import numpy as np
 from ..backend import lent
 from ..errors import BackendError, DamagedModelError
 from ..sampling import LawRows, SamplingParams, greedy_token, row_law
-from ..slots import piece_of
+from ..slots import last_pass, piece_of, tile_of
 from ..defaults import GAMMA
 from . import NO_DRAFT, Draft, Drafter, Round
 
@@ -43,11 +43,13 @@ class ModelDrafter(Drafter):
         """Keep the cached prefix shared with the prompt; the rest is evaluated at the first
         draft, in one batch (`draft` feeds whatever the model has not seen). Under `auto` the
         first draft may never come: the prompt is then not evaluated twice. What is kept is cut
-        to the canonical pieces (slots.PIECE), as the target's prefix is."""
+        to what was computed in the canonical shape (slots.py), as the target's prefix is."""
         be = self.backend
         kept = be.keep_prefix(tokens)
-        if kept % piece_of(be):
-            be.truncate(kept - kept % piece_of(be))
+        keep = min(kept, be.canon())
+        keep -= 0 if tile_of(be) else keep % piece_of(be)
+        if keep < kept:
+            be.truncate(keep)
 
     @property
     def draft_backend(self):
@@ -95,11 +97,9 @@ class _Lane:
         if be.n_past >= len(tokens) or (held and held[-1] != tokens[len(held) - 1]):
             be.keep_prefix(tokens)
         # the committed tokens the draft has not seen yet (the last one or two after a round); a
-        # catch-up is computed in the canonical pieces first (slots.PIECE: the same KV whatever
-        # the draft model held before), the rest fed with the first draft step
-        p = piece_of(be)
-        while len(tokens) - 1 - (be.n_past - be.n_past % p + p) >= 0:
-            be.eval(tokens[be.n_past:be.n_past - be.n_past % p + p], [])
+        # catch-up is computed in the canonical shape first (slots.py: the same KV whatever the draft
+        # model held before), the rest fed with the first draft step
+        _catch_up(be, tokens)
         self.pending = tokens[be.n_past:]
         self.drafts: list[int] = []
         # at T = 0 the verifier compares argmaxes and needs no q rows; at T > 0 each step's law
@@ -135,6 +135,30 @@ class _Lane:
             self.guide.rollback(len(self.drafts))
             self.guide = None
         return Draft(self.drafts, self.q, ModelDrafter.name)
+
+
+def _catch_up(be, tokens: list[int]) -> None:
+    """Feed the draft model the committed `tokens` it lacks but the last, where it lacks more than a
+    round's few (the rest goes with the first draft step), as the target's prompt is computed
+    (slots.py); marks what is canonical. In tiles: from its canonical prefix (a short tail beyond it
+    computed again), pieces of PIECE, the last brought to a tile. On the grid: its whole pieces."""
+    p, tile, end = piece_of(be), tile_of(be), len(tokens) - 1
+    if tile:
+        if end - be.n_past < tile:
+            return
+        if be.n_past - be.canon() <= tile:
+            be.truncate(be.canon())
+        canonical = be.n_past == be.canon()
+        while end - be.n_past > p:
+            be.eval(tokens[be.n_past:be.n_past + p], [])
+        if last_pass(be, tokens[:end], be.n_past, tile)[1] and canonical:
+            be.mark_canon(end)
+        return
+    while end - (be.n_past - be.n_past % p + p) >= 0:
+        at = be.n_past
+        be.eval(tokens[at:at - at % p + p], [])
+        if at % p == 0 and at == be.canon():  # a whole piece of the grid after canonical ones
+            be.mark_canon(be.n_past)
 
 
 def draft_many(wants: list[ModelWant], separate: bool = False) -> list[Draft]:

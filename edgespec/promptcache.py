@@ -45,8 +45,8 @@ class Slot:
     target: bytes
     draft: Optional[tuple[tuple[int, ...], bytes]] = None
     prompt_row: Optional[tuple] = None
-    # the leading positions whose KV was computed in whole canonical pieces (slots.Sequences.piece):
-    # only those are restored for another prompt (a restored prefix is cut back to them)
+    # the leading positions whose KV was computed in the canonical shape (slots.py): only those are
+    # restored for another prompt (a restored prefix is cut back to them)
     canon: int = 0
     draft_canon: int = 0  # the same for the draft model's state
     nbytes: int = field(init=False, default=0)

@@ -195,8 +195,14 @@ class Sequences:
             if end > stop:
                 return None, kept
             if end == n:
-                row = last_pass(target.sequence(seq) if seq else target, tokens, at, self.tile)[0] \
-                    if self.tile and n > p else target.eval(tokens[at:], [n - at - 1], seq)
+                if self.tile and n > p:
+                    row, whole, began = last_pass(target.sequence(seq) if seq else target, tokens, at, self.tile)
+                    kept = min(kept, began)  # a pass begun earlier computed those again
+                    if not whole:  # (unreachable: a piece holds a tile) canonical up to where it began
+                        self.prompt_row[seq] = (tuple(tokens), row)
+                        return row, kept
+                else:
+                    row = target.eval(tokens[at:], [n - at - 1], seq)
                 break
             target.eval(tokens[at:end], [], seq)
             at = end
@@ -285,8 +291,9 @@ _TILE_KV = {"f16", "q8_0"}
 
 def tile_of(backend) -> int:
     """TILE where the tile rule is proven for a backend (llama.cpp on this machine's CPU, the
-    settings of _TILE_KV, each pass one batch): its prompts are computed in tiles; 0 where they
-    keep the grid (a GPU, other settings)."""
+    settings of _TILE_KV, each pass one batch; over an rpc-server, its CPU kernels are taken to be
+    the same): its prompts are computed in tiles; 0 where they keep the grid (a GPU build, a
+    recurrent model, other settings)."""
     root = getattr(backend, "backend", backend)  # a SequenceView: its backend's
     given = getattr(root, "canonical_tile", None)  # a backend that says its own (the test fakes)
     if isinstance(given, int) and given >= 0:
@@ -295,34 +302,37 @@ def tile_of(backend) -> int:
     if not isinstance(settings, dict) or not getattr(root, "repack", False) \
             or getattr(root, "n_batch", 0) < PIECE:  # a pass is one batch
         return 0
-    if bool(settings.get("gpu_offload")) and settings.get("n_gpu_layers", 0) != 0:
+    # a GPU build, even with no layers offloaded (llama.cpp may still send a batch's matmuls to the
+    # device), and a recurrent model (its state cannot drop the dummy rows) keep the grid
+    if settings.get("gpu_offload") or not getattr(root, "can_truncate", True):
         return 0
     return TILE if {getattr(root, "type_k", None), getattr(root, "type_v", None)} <= _TILE_KV else 0
 
 
-def last_pass(be, tokens: list[int], at: int, tile: int) -> tuple[np.ndarray, bool]:
+def last_pass(be, tokens: list[int], at: int, tile: int) -> tuple[np.ndarray, bool, int]:
     """The last pass of a prompt longer than a piece, in tiles, on a one-sequence backend (a
     SequenceView, or sequence 0) holding tokens[:at]: tokens[at:] brought to at least `tile` and a
     multiple of GROUP rows, by dummy rows after them (the causal mask hides them from the prompt's rows;
     cut from the cache after the pass) or, where the context has no room for them, by beginning the
     pass earlier (rows computed again as they were: in whole groups of passes of a tile or more).
-    Returns the last token's row and whether the pass was in tiles (not where neither could be)."""
+    Returns the last token's row, whether the pass was in tiles (not where neither could be), and
+    where it began."""
     n = len(tokens)
     rows = n - at
     want = max(tile, rows + -rows % GROUP)
     if want == rows:
-        return be.eval(tokens[at:], [rows - 1]), True
+        return be.eval(tokens[at:], [rows - 1]), True, at
     if at + want <= be.n_ctx:
         out = be.eval(list(tokens[at:]) + [tokens[-1]] * (want - rows), [rows - 1])
         if not be.truncate(n):
             raise BackendError(f"{be.path.name}: the KV cache could not cut a prompt's padding back")
-        return out, True
+        return out, True, at
     start = n - want  # > 0 for a prompt longer than a piece
     if start < 0:
-        return be.eval(tokens[at:], [rows - 1]), False
+        return be.eval(tokens[at:], [rows - 1]), False, at
     if not be.truncate(start):
         raise BackendError(f"{be.path.name}: the KV cache could not be cut back")
-    return be.eval(tokens[start:], [want - 1]), True
+    return be.eval(tokens[start:], [want - 1]), True, start
 
 
 def _runs(seqs: set) -> int:

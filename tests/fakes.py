@@ -136,7 +136,7 @@ class FakeBackend:
             if a != b:
                 break
             n += 1
-        del cache[n:]
+        self.truncate(n, seq)
         return n
 
     def copy_prefix(self, src, dst, n):

@@ -101,13 +101,15 @@ def _any_path(model, fa: str, kv: str) -> None:
         seqs = Sequences(be)
         row, _ = seqs.prefill(0, prompt)  # fresh: pieces of PIECE from 0
         want = be.save_state(0)[1], row.copy()
-        for path in ([37, 201], [130, 131]):  # earlier prompts of these lengths, then this one
+        # earlier prompts that part from this one after n tokens (n + 1 long), then this one; what it keeps:
+        # all of a prompt longer than a piece, the whole groups of 4 of a prompt of one piece
+        for path, keeps in (([37, 201], 201), ([130, 131], 131), ([70], 68), ([101], 100)):
             seqs.reset()
             for n in path:
                 other = next(t for t in range(100, 200) if t != prompt[n])
-                seqs.prefill(0, prompt[:n] + [other])  # a prompt that parts from this one after n tokens
+                seqs.prefill(0, prompt[:n] + [other])
             row, kept = seqs.prefill(0, prompt)
-            assert kept == path[-1]  # every token of the earlier prompt was kept
+            assert kept == keeps, path
             assert be.save_state(0)[1] == want[0], path
             assert np.array_equal(row, want[1]), path
     finally:
@@ -149,6 +151,10 @@ def test_the_draft_models_catch_up_is_canonical_too_smollm2(smol_draft):
         be.eval(prompt[149:170], [])  # as draft steps feed them: passes of fewer rows than a tile
         be.eval(prompt[170:200], [])
         catch_up(prompt)  # keeps 149, not 200
+        assert be.save_state(0)[1] == want
+        be.reset()
+        catch_up(prompt[:300])
+        catch_up(prompt)  # a tail of 33 after its canonical prefix: computed as from nothing
         assert be.save_state(0)[1] == want
     finally:
         be.close()

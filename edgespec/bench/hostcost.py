@@ -350,7 +350,7 @@ class SimBackend:
             if a != b:
                 break
             n += 1
-        del held[n:]
+        self.truncate(n, seq)
         return n
 
     def copy_prefix(self, src, dst, n):

@@ -144,14 +144,18 @@ def _catch_up(be, tokens: list[int]) -> None:
     computed again), pieces of PIECE, the last brought to a tile. On the grid: its whole pieces."""
     p, tile, end = piece_of(be), tile_of(be), len(tokens) - 1
     if tile:
-        if end - be.n_past < tile:
-            return
-        if be.n_past - be.canon() <= tile:
-            be.truncate(be.canon())
+        # the first catch-up of a request starts where its canonical prefix ends (begin): it computes
+        # all of it, however short, so that the draft's KV does not depend on what it held before
         canonical = be.n_past == be.canon()
+        if end <= be.n_past or not canonical and end - be.n_past < tile:
+            return  # a round's lag: fed with the draft step
+        if not canonical and be.n_past - be.canon() <= tile:
+            be.truncate(be.canon())  # a short stray tail: computed again, in tiles
+            canonical = True
         while end - be.n_past > p:
             be.eval(tokens[be.n_past:be.n_past + p], [])
-        if last_pass(be, tokens[:end], be.n_past, tile)[1] and canonical:
+        _, whole, _ = last_pass(be, tokens[:end], be.n_past, tile)
+        if whole and canonical:
             be.mark_canon(end)
         return
     while end - (be.n_past - be.n_past % p + p) >= 0:

@@ -55,13 +55,17 @@ class Sequences:
         # so it takes the same path as the first time (its last token evaluated again, alone,
         # would round differently)
         self.prompt_row: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
-        # per sequence: its leading positions computed in the canonical shape (whole tiles, or
-        # whole pieces of the grid)
-        self.canon: dict[int, int] = {}
         self.piece = piece_of(target)
         self.tile = tile_of(target)  # 0: the grid
         self._used: dict[int, int] = {}
         self._tick = 0
+
+    @property
+    def canon(self) -> dict[int, int]:
+        """Per sequence: its leading positions computed in the canonical shape (whole tiles, or whole
+        pieces of the grid), as the target's backend keeps them (LlamaBackend.canon: lowered wherever
+        its cache is cut, carried by copy_prefix)."""
+        return {s: self.target.canon(s) for s in range(self.n)}
 
     def canonical(self, seq: int, n: int, source: Optional[int] = None) -> int:
         """How much of an `n`-token prefix held by sequence `source` (default `seq`) may be reused:
@@ -69,7 +73,7 @@ class Sequences:
         src = seq if source is None else source
         if not getattr(self.target, "can_truncate", True):  # a recurrent model: its state is not cut back
             return min(n, len(self.target.held(src)))
-        n = min(n, self.canon.get(src, 0), len(self.target.held(src)))
+        n = min(n, self.target.canon(src))
         return n if self.tile else n - n % self.piece
 
     @property
@@ -132,7 +136,7 @@ class Sequences:
         if restore:
             try:
                 self._load(seq, slot)
-                self.canon[seq] = saved
+                target.mark_canon(saved, seq)
                 if not target.truncate(saved, seq):
                     target.reset(seq)
                     return False
@@ -148,8 +152,7 @@ class Sequences:
             if row is not None and row[0] == tuple(tokens) \
                     and target.held(donor)[:len(tokens)] == list(tokens):
                 shared = len(tokens)  # an exact repeat: its last row too, so it is not evaluated again
-            target.copy_prefix(donor, seq, shared)
-            self.canon[seq] = min(shared, self.canon.get(donor, 0))
+            target.copy_prefix(donor, seq, shared)  # its canonical prefix goes with it
             if row is not None:
                 self.prompt_row[seq] = row
             d = self.draft
@@ -185,7 +188,8 @@ class Sequences:
             target.reset(seq)
             keep = 0
         kept = keep
-        self.canon[seq] = at = kept
+        target.mark_canon(kept, seq)
+        at = kept
         # with `limit`, whole pieces up to it (at least one) now, the rest in later calls; on the grid
         # the pieces lie at multiples of `p`, in tiles from where the kept prefix ends
         base = at if self.tile else at - at % p
@@ -196,22 +200,20 @@ class Sequences:
                 return None, kept
             if end == n:
                 if self.tile and n > p:
-                    row, whole, began = last_pass(target.sequence(seq) if seq else target, tokens, at, self.tile)
+                    # always in tiles here: a prompt longer than a piece has room to begin a tile earlier
+                    row, _, began = last_pass(target.sequence(seq) if seq else target, tokens, at, self.tile)
                     kept = min(kept, began)  # a pass begun earlier computed those again
-                    if not whole:  # (unreachable: a piece holds a tile) canonical up to where it began
-                        self.prompt_row[seq] = (tuple(tokens), row)
-                        return row, kept
                 else:
                     row = target.eval(tokens[at:], [n - at - 1], seq)
                 break
             target.eval(tokens[at:end], [], seq)
             at = end
-            self.canon[seq] = at
+            target.mark_canon(at, seq)
         check_finite(target, row)
         if self.tile:  # one piece: its rows in whole groups of a pass of at least a tile
-            self.canon[seq] = n if n > p else n - n % GROUP if n >= self.tile else 0
+            target.mark_canon(n if n > p else n - n % GROUP if n >= self.tile else 0, seq)
         else:
-            self.canon[seq] = n - n % p
+            target.mark_canon(n - n % p, seq)
         self.prompt_row[seq] = (tuple(tokens), row)
         return row, kept
 
@@ -232,7 +234,7 @@ class Sequences:
         # auto's draft model may hold another conversation (it catches up only when it drafts)
         dstate = (d.save_state(seq) if d is not None
                   and common_prefix(d.held(seq), toks) >= min(MIN_TOKENS, len(d.held(seq))) > 0 else None)
-        return Slot(toks, data, dstate, self.prompt_row.get(seq), min(self.canon.get(seq, 0), len(toks)),
+        return Slot(toks, data, dstate, self.prompt_row.get(seq), min(self.target.canon(seq), len(toks)),
                     d.canon(seq) if dstate is not None else 0)
 
     def _load(self, seq: int, slot: Slot) -> None:
@@ -267,7 +269,6 @@ class Sequences:
     def reset(self) -> None:
         self.target.reset()
         self.prompt_row.clear()
-        self.canon.clear()
         if self.cache is not None:
             self.cache.clear()
 

@@ -76,24 +76,23 @@ def test_a_refused_request_is_reported_and_left_out_of_the_ratios():
     assert "every server answered" in format_table(s)
 
 
-def test_requests_answered_at_different_lengths_are_left_out_of_the_like_for_like_ratios():
-    """At T = 0 a near-tie may send one server into a longer answer (the recorded Claude Code session's
-    last request: 123 tokens from auto, 71 from none): the totals then compare different work, so the
-    summary also compares the requests every server answered with as many tokens."""
+def test_requests_answered_at_different_lengths_are_left_out_of_the_comparison_with_plain():
+    """At T = 0 a near-tie may send auto into a longer answer than plain's (the recorded Claude Code
+    session's last request: 123 tokens against 71): the totals then compare different work, so auto is
+    also compared with plain over the requests both answered with as many tokens."""
     from edgespec.bench.agent import format_table, summarize
     ok = lambda total, n: {"ttft": 1.0, "total": total, "output_tokens": n}  # noqa: E731
     results = {"edgespec none": [ok(40.0, 34), ok(9.0, 71)],
                "edgespec auto": [ok(39.0, 34), ok(13.0, 123)],
-               "llama-server ngram-mod": [ok(38.0, 34), ok(7.0, 72)]}
+               "llama-server ngram-mod": [ok(38.0, 35), ok(7.0, 72)]}
     s = summarize(results)
     auto = s["edgespec auto"]
     assert auto["common_s"] == 52.0 and auto["vs_plain"] > 1.0  # the longer answer decides the totals
     assert auto["alike_s"] == 39.0 and auto["alike_requests"] == 1
     assert abs(auto["vs_plain_alike"] - 39.0 / 40.0) < 1e-9
-    assert abs(auto["vs_llama_server_best_alike"] - 39.0 / 38.0) < 1e-9
+    assert "alike_s" not in s["llama-server ngram-mod"]  # it counts the same answer a token longer
     table = format_table(s)
-    assert "over the 1 request answered with as many tokens by every server" in table
-    assert "x0.97 of plain" in table and "x1.03 of llama-server's best" in table
+    assert "edgespec auto: over the 1 request it answered with as many tokens as plain, 39.0 s, x0.97" in table
     # every answer alike: no second comparison
     same = summarize({"edgespec none": [ok(40.0, 34)], "edgespec auto": [ok(39.0, 34)]})
     assert same["edgespec auto"]["alike_s"] == 39.0 and "as many tokens" not in format_table(same)

@@ -330,9 +330,6 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     faster mode."""
     answered = [i for i in range(max((len(t) for t in results.values()), default=0))
                 if all(i < len(t) and "error" not in t[i] for t in results.values())]
-    # the requests every server answered with as many tokens: at T = 0 a near-tie in the batched
-    # logits may send one server into a longer answer, whose time says nothing about its speed
-    alike = [i for i in answered if len({t[i]["output_tokens"] for t in results.values()}) == 1]
     out = {}
     for name, turns in results.items():
         ok = [t for t in turns if "error" not in t]
@@ -341,15 +338,25 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         out[name] = {"total_s": sum(t["total"] for t in ok), "ttft_s": sum(t["ttft"] for t in ok),
                      "decode_tps": tokens / decode_time if decode_time > 0 else None,
                      "refused": len(turns) - len(ok),
-                     "common_s": sum(turns[i]["total"] for i in answered),
-                     "alike_s": sum(turns[i]["total"] for i in alike), "alike_requests": len(alike)}
-    for key, suffix in (("common_s", ""), ("alike_s", "_alike")):
-        plain = out.get("edgespec none", {}).get(key)
-        theirs = [out[n][key] for n in THEIRS if n in out]
-        best = min(theirs) if theirs else None
-        for s in out.values():
-            s["vs_plain" + suffix] = s[key] / plain if plain else None
-            s["vs_llama_server_best" + suffix] = s[key] / best if best else None
+                     "common_s": sum(turns[i]["total"] for i in answered)}
+    plain = out.get("edgespec none", {}).get("common_s")
+    theirs = [out[n]["common_s"] for n in THEIRS if n in out]
+    best = min(theirs) if theirs else None
+    for s in out.values():
+        s["vs_plain"] = s["common_s"] / plain if plain else None
+        s["vs_llama_server_best"] = s["common_s"] / best if best else None
+    # against plain, also over the requests answered with as many tokens as plain did: at T = 0 a
+    # near-tie in the batched logits may send a mode into a longer answer, whose time says nothing of
+    # its speed (llama-server counts a token more or less for the same answer: compared in totals only)
+    none = results.get("edgespec none")
+    if none is not None:
+        for name, turns in results.items():
+            if name in THEIRS:
+                continue
+            alike = [i for i in answered if turns[i]["output_tokens"] == none[i]["output_tokens"]]
+            mine, theirs_s = (sum(t[i]["total"] for i in alike) for t in (turns, none))
+            out[name].update(alike_requests=len(alike), alike_s=mine,
+                             vs_plain_alike=mine / theirs_s if theirs_s else None)
     return out
 
 
@@ -399,18 +406,11 @@ def format_table(summary: dict) -> str:
         lines.append(f"{name:<24} {s['total_s']:>8.1f} {s['ttft_s']:>8.1f} {dt:>13} {s['refused']:>8} {vp:>9} {vb:>16}")
     if any(s["refused"] for s in summary.values()):
         lines.append("(ratios over the requests every server answered)")
-    first = next(iter(summary.values()), None)
-    if first is not None and first["alike_s"] != first["common_s"]:
-        n = first["alike_requests"]
-        parts = []
-        for name, s in summary.items():
-            ratios = [f"x{s[k]:.2f} {what}" for k, what in (("vs_plain_alike", "of plain"),
-                                                             ("vs_llama_server_best_alike", "of llama-server's best"))
-                      if s[k] is not None]
-            parts.append(f"  {name:<24} {s['alike_s']:>8.1f} s  ({', '.join(ratios)})" if ratios
-                         else f"  {name:<24} {s['alike_s']:>8.1f} s")
-        lines.append(f"\nover the {n} request{'s' * (n != 1)} answered with as many tokens by every server:")
-        lines.extend(parts)
+    differ = [(name, s) for name, s in summary.items() if "alike_s" in s and s["alike_s"] != s["common_s"]]
+    for name, s in differ:
+        n, vs = s["alike_requests"], s["vs_plain_alike"]
+        lines.append(f"{name}: over the {n} request{'s' * (n != 1)} it answered with as many tokens as plain, "
+                     f"{s['alike_s']:.1f} s" + (f", x{vs:.2f} of plain's" if vs is not None else ""))
     return "\n".join(lines)
 
 

@@ -133,8 +133,9 @@ MODEL_HOPE = 0.85
 # The share of a plain token's time the hope must save, a token, in rounds of their own, for the test
 # to be made. A best case that saves less is within the error of the hope itself, and the test then
 # costs more than it can find: over RPC at 30 ms round trip, with the remote on this 2-core CPU, the
-# hope saved 8% a token, the test cost 0.1-0.3 s of a 9 s answer, and the model was not kept
-# (docs/distributed.md). An F16 target on a CPU (issue 39: 12%) and a GPU (over 30%) still test it.
+# hope saved 7-10% of a token's time, and the test lost 0.2-0.4 s of a 9 s answer against plain
+# (docs/distributed.md). Rows at 0.3 of a step (issue 39's test: 12%) and a GPU (rows at 0.03 of a
+# step: 19% with a draft step half the target's, 12% at 0.6) still test it.
 HOPE_MARGIN = 0.1
 HOPE_EVIDENCE = 2  # tokens of the model's drafts judged before the hope is given up untried
 # The tokens the draft model's catch-up on the context is spread over: the answer's room, but no more

@@ -133,9 +133,10 @@ MODEL_HOPE = 0.85
 # The share of a plain token's time the hope must save, a token, in rounds of their own, for the test
 # to be made. A best case that saves less is within the error of the hope itself, and the test then
 # costs more than it can find: over RPC at 30 ms round trip, with the remote on this 2-core CPU, the
-# hope saved 7-10% of a token's time, and the test lost 0.2-0.4 s of a 9 s answer against plain
-# (docs/distributed.md). Rows at 0.3 of a step (issue 39's test: 12%) and a GPU (rows at 0.03 of a
-# step: 19% with a draft step half the target's, 12% at 0.6) still test it.
+# hope saved 4-10% of a token's time (as each run's calibration priced it), and the test lost
+# 0.2-0.4 s of a 9 s answer against plain (docs/distributed.md). Rows at 0.3 of a step (issue 39's
+# test: 12%) and a GPU (rows at 0.03 of a step: 19% with a draft step half the target's, 12% at 0.6)
+# still test it.
 HOPE_MARGIN = 0.1
 HOPE_EVIDENCE = 2  # tokens of the model's drafts judged before the hope is given up untried
 # The tokens the draft model's catch-up on the context is spread over: the answer's room, but no more
@@ -361,7 +362,8 @@ class Policy:
 
     def _hope(self, costs: Costs, room: int, lag: int, base, value: float, pass_of) -> Optional[Choice]:
         """The draft model's first test in a generation (MODEL_HOPE), or None: tried already, or
-        it could not repay its catch-up within the tokens left even at that acceptance."""
+        even at that acceptance it would save less than HOPE_MARGIN of a plain token (`value`: this
+        sequence alone, as `choose` calls it) or could not repay its catch-up within the tokens left."""
         if self.model.seen > HOPE_EVIDENCE or self._hoped:  # a one-token re-test says little: still hoped
             return None
         surv = [MODEL_HOPE ** j for j in range(1, min(room, self.max_gamma) + 1)]

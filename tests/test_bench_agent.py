@@ -96,6 +96,17 @@ def test_requests_answered_at_different_lengths_are_left_out_of_the_comparison_w
     # every answer alike: no second comparison
     same = summarize({"edgespec none": [ok(40.0, 34)], "edgespec auto": [ok(39.0, 34)]})
     assert same["edgespec auto"]["alike_s"] == 39.0 and "as many tokens" not in format_table(same)
+    # a request one of them refused is in neither comparison; none alike is said so
+    refused = {"error": "answered 503"}
+    s = summarize({"edgespec none": [ok(40.0, 34), refused], "edgespec auto": [ok(39.0, 35), ok(9.0, 71)]})
+    assert s["edgespec auto"]["alike_requests"] == 0 and s["edgespec auto"]["common_s"] == 39.0
+    assert "edgespec auto: no request answered with as many tokens as plain" in format_table(s)
+    # without edgespec none (llama-server alone), or a summary of an older run: no comparison, no error
+    alone = summarize({"llama-server ngram-mod": [ok(38.0, 35)]})
+    assert "alike_s" not in alone["llama-server ngram-mod"] and "as many" not in format_table(alone)
+    old = {k: {f: v for f, v in row.items() if "alike" not in f and f != "common_requests"}
+           for k, row in summarize(results).items()}
+    assert "as many" not in format_table(old)
 
 
 def test_both_accept_gives_every_server_the_codex_session_it_can_read():

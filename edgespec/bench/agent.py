@@ -17,7 +17,9 @@ first content event (TTFT: its prompt's evaluation, the queue), its decode rate 
 time after the first event), its total, and its output tokens side by side (at T = 0 on the same
 rendered prompt the servers should write the same answer: a difference is shown, not hidden); per
 server the session's total time. Ratios are to edgespec none, and with --peer to llama-server's faster
-mode, in the same run. Minutes per server on a CPU: an agent's first prompt is 3,000-23,000 tokens.
+mode, in the same run; each edgespec mode also against none over the requests it answered with as many
+output tokens (a near-tie at T = 0 may send one mode into a longer answer). Minutes per server on a
+CPU: an agent's first prompt is 3,000-23,000 tokens.
 
 With --peer every server gets the session in a form both accept and render alike (`both_accept`): what
 only edgespec reads (Codex's `namespace` tool and `additional_tools` input item, Claude Code's system
@@ -327,7 +329,8 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     """Per server: the session's total time, its summed TTFT, its decode rate over the turns it
     answered, and how many it refused. Ratios compare the requests every server answered (a server
     that refused a long request would otherwise look faster): to edgespec none, and to llama-server's
-    faster mode."""
+    faster mode. Each edgespec mode also against none over the requests of those it answered with as
+    many output tokens: `alike_requests`, `alike_s` (its time there), `vs_plain_alike`."""
     answered = [i for i in range(max((len(t) for t in results.values()), default=0))
                 if all(i < len(t) and "error" not in t[i] for t in results.values())]
     out = {}
@@ -338,20 +341,21 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         out[name] = {"total_s": sum(t["total"] for t in ok), "ttft_s": sum(t["ttft"] for t in ok),
                      "decode_tps": tokens / decode_time if decode_time > 0 else None,
                      "refused": len(turns) - len(ok),
-                     "common_s": sum(turns[i]["total"] for i in answered)}
+                     "common_s": sum(turns[i]["total"] for i in answered), "common_requests": len(answered)}
     plain = out.get("edgespec none", {}).get("common_s")
     theirs = [out[n]["common_s"] for n in THEIRS if n in out]
     best = min(theirs) if theirs else None
     for s in out.values():
         s["vs_plain"] = s["common_s"] / plain if plain else None
         s["vs_llama_server_best"] = s["common_s"] / best if best else None
-    # against plain, also over the requests answered with as many tokens as plain did: at T = 0 a
-    # near-tie in the batched logits may send a mode into a longer answer, whose time says nothing of
-    # its speed (llama-server counts a token more or less for the same answer: compared in totals only)
+    # against plain, also over the requests answered with as many tokens as plain did (token counts,
+    # not the texts): at T = 0 a near-tie in the batched logits may send a mode into a longer answer,
+    # whose time says nothing of its speed. llama-server counts tokens its own way (one more on most
+    # answers, 17 more on a tool call): compared in totals only
     none = results.get("edgespec none")
     if none is not None:
         for name, turns in results.items():
-            if name in THEIRS:
+            if not name.startswith("edgespec"):
                 continue
             alike = [i for i in answered if turns[i]["output_tokens"] == none[i]["output_tokens"]]
             mine, theirs_s = (sum(t[i]["total"] for i in alike) for t in (turns, none))
@@ -406,9 +410,13 @@ def format_table(summary: dict) -> str:
         lines.append(f"{name:<24} {s['total_s']:>8.1f} {s['ttft_s']:>8.1f} {dt:>13} {s['refused']:>8} {vp:>9} {vb:>16}")
     if any(s["refused"] for s in summary.values()):
         lines.append("(ratios over the requests every server answered)")
-    differ = [(name, s) for name, s in summary.items() if "alike_s" in s and s["alike_s"] != s["common_s"]]
+    differ = [(name, s) for name, s in summary.items()
+              if "alike_requests" in s and s["alike_requests"] != s.get("common_requests")]
     for name, s in differ:
         n, vs = s["alike_requests"], s["vs_plain_alike"]
+        if n == 0:
+            lines.append(f"{name}: no request answered with as many tokens as plain")
+            continue
         lines.append(f"{name}: over the {n} request{'s' * (n != 1)} it answered with as many tokens as plain, "
                      f"{s['alike_s']:.1f} s" + (f", x{vs:.2f} of plain's" if vs is not None else ""))
     return "\n".join(lines)

@@ -232,7 +232,30 @@ def lent(backend, parts) -> list:
     return backend.eval_batch(parts)
 
 
-class LlamaBackend:
+class CanonMarks:
+    """Each sequence's leading positions computed in the canonical shape (slots.py), as the caller
+    marks them, for a backend whose `held(seq)` lists what its cache holds: a cut of the cache lowers
+    them (`_cut_canon`: truncate, reset, load_state), a copied prefix carries them (`_copy_canon`).
+    LlamaBackend and the stand-ins (bench/hostcost.SimBackend, the tests' FakeBackend) keep them alike."""
+
+    _canon: list[int]
+
+    def canon(self, seq: int = 0) -> int:
+        """How many leading positions of sequence `seq` were computed in the canonical shape."""
+        return min(self._canon[seq], len(self.held(seq)))
+
+    def mark_canon(self, n: int, seq: int = 0) -> None:
+        """Say that sequence `seq`'s first `n` positions were computed in the canonical shape."""
+        self._canon[seq] = max(0, min(int(n), len(self.held(seq))))
+
+    def _cut_canon(self, seq: int, pos: int = 0) -> None:
+        self._canon[seq] = min(self._canon[seq], pos)
+
+    def _copy_canon(self, src: int, dst: int) -> None:
+        self.mark_canon(self.canon(src), dst)  # as far as dst now holds
+
+
+class LlamaBackend(CanonMarks):
     """A loaded GGUF model with its own context, KV cache and batch."""
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = N_CTX, n_gpu_layers: int = ALL_LAYERS,
@@ -458,14 +481,6 @@ class LlamaBackend:
     def sequence(self, seq: int) -> "SequenceView":
         return SequenceView(self, seq)
 
-    def canon(self, seq: int = 0) -> int:
-        """How many leading positions of sequence `seq` were computed in the canonical shape."""
-        return min(self._canon[seq], len(self._held[seq]))
-
-    def mark_canon(self, n: int, seq: int = 0) -> None:
-        """Say that sequence `seq`'s first `n` positions were computed in the canonical shape."""
-        self._canon[seq] = max(0, min(int(n), len(self._held[seq])))
-
     def eval(self, tokens: Sequence[int], rows: Sequence[int], seq: int = 0) -> np.ndarray:
         """Append `tokens` to sequence `seq` at positions n_past.. and return float32 logits for
         `rows` (indices into `tokens`), shape (len(rows), n_vocab)."""
@@ -582,7 +597,7 @@ class LlamaBackend:
         if not _llama().llama_memory_seq_rm(self._mem, seq, pos, -1):
             return False
         del held[pos:]
-        self._canon[seq] = min(self._canon[seq], pos)
+        self._cut_canon(seq, pos)
         return True
 
     def keep_prefix(self, tokens: Sequence[int], seq: int = 0) -> int:
@@ -616,7 +631,7 @@ class LlamaBackend:
         if not self.truncate(n, dst):
             self.reset(dst)
             return 0
-        self._canon[dst] = min(self._canon[src], n)
+        self._copy_canon(src, dst)
         return n
 
     def save_state(self, seq: int = 0) -> tuple[tuple[int, ...], bytes]:
@@ -648,7 +663,7 @@ class LlamaBackend:
         self._drop_stray()
         L.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._held[seq].clear()
-        self._canon[seq] = 0
+        self._cut_canon(seq)
         data = restream(data, self._n_stream)
         buf = (ctypes.c_uint8 * len(data)).from_buffer(data) if isinstance(data, bytearray) else \
             (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
@@ -674,7 +689,7 @@ class LlamaBackend:
             if not L.llama_memory_seq_rm(self._mem, seq, -1, -1):
                 raise BackendError(f"llama.cpp could not clear sequence {seq} of {self.path.name}")
             self._held[seq].clear()
-            self._canon[seq] = 0
+            self._cut_canon(seq)
             self._stray.discard(seq)
 
     def close(self) -> None:

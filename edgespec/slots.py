@@ -74,7 +74,7 @@ class Sequences:
         if not getattr(self.target, "can_truncate", True):  # a recurrent model: its state is not cut back
             return min(n, len(self.target.held(src)))
         n = min(n, self.target.canon(src))
-        return n if self.tile else n - n % self.piece
+        return self._whole(n)
 
     @property
     def caching(self) -> bool:
@@ -158,15 +158,20 @@ class Sequences:
             d = self.draft
             if d is not None:  # as far as the draft computed it in the canonical shape too
                 n = min(common_prefix(d.held(donor), head), d.canon(donor))
-                n = n if self.tile else n - n % self.piece
+                n = self._whole(n)
                 if n > common_prefix(d.held(seq), head):
                     d.copy_prefix(donor, seq, n)  # its canonical prefix goes with it
         return False
 
+    def _whole(self, n: int) -> int:
+        """A canonical prefix of `n` positions as it may be reused: all of it in tiles, its whole
+        pieces on the grid."""
+        return n if self.tile else n - n % self.piece
+
     def _usable(self, slot: Slot, n: int) -> int:
         """How much of a saved slot's `n`-token prefix may be restored (its canonical shape)."""
         n = min(n, slot.canon)
-        return n if self.tile else n - n % self.piece
+        return self._whole(n)
 
     def prefill(self, seq: int, tokens: list[int], limit: Optional[int] = None
                 ) -> tuple[Optional[np.ndarray], int]:

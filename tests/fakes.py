@@ -8,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.backend import CanonMarks
 
-class FakeBackend:
+
+class FakeBackend(CanonMarks):
     def __init__(self, table: np.ndarray, *, n_ctx: int = 4096, eos: int = -1, name: str = "fake",
                  vocab_bytes=None, n_seq: int = 1, n_batch: int = 512):
         self.table = np.asarray(table, dtype=np.float32)  # (V, V): row = previous token
@@ -26,7 +28,7 @@ class FakeBackend:
         self.canonical_piece = 4
         self.canonical_tile = 0  # slots.tile_of: the grid (a test sets tiles of its own)
         self.caches: list[list[int]] = [[] for _ in range(n_seq)]  # what each sequence's KV cache holds
-        self.canons = [0] * n_seq  # backend.LlamaBackend.canon
+        self._canon = [0] * n_seq  # backend.CanonMarks
         self.evals = 0
         self.batches: list[list[tuple[int, int, int]]] = []  # per eval_batch: (seq, tokens, rows) of each part
         self.closed = False
@@ -112,14 +114,8 @@ class FakeBackend:
 
     def truncate(self, pos, seq=0):
         del self.caches[seq][pos:]
-        self.canons[seq] = min(self.canons[seq], pos)
+        self._cut_canon(seq, pos)
         return True
-
-    def canon(self, seq=0):
-        return min(self.canons[seq], len(self.caches[seq]))
-
-    def mark_canon(self, n, seq=0):
-        self.canons[seq] = min(n, len(self.caches[seq]))
 
     def pos_max(self, seq=0):
         return len(self.caches[seq]) - 1
@@ -127,7 +123,7 @@ class FakeBackend:
     def reset(self, seq=None):
         for s in (range(self.n_seq) if seq is None else [seq]):
             self.caches[s].clear()
-            self.canons[s] = 0
+            self._cut_canon(s)
 
     def keep_prefix(self, tokens, seq=0):
         cache = self.caches[seq]
@@ -142,7 +138,7 @@ class FakeBackend:
     def copy_prefix(self, src, dst, n):
         n = min(n, len(self.caches[src]))
         self.caches[dst][:] = self.caches[src][:n]
-        self.canons[dst] = min(self.canons[src], n)
+        self._copy_canon(src, dst)
         return n
 
     def close(self):

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ..backend import CanonMarks
 from ..errors import UsageError
 from ..sampling import SamplingParams, greedy_token, row_law, sample
 
@@ -226,7 +227,7 @@ def _wait(seconds: float) -> None:
         time.sleep(0)
 
 
-class SimBackend:
+class SimBackend(CanonMarks):
     """A Backend whose passes return recorded rows (row of position p: rows[(p - offset) % len(rows)]) and
     wait `a_ms + b_ms * tokens fed`; the tokenizer is the real model's (`vocab`, a LlamaBackend).
     `busy`: the seconds its passes took (their nominal times). End of generation never comes (the answer runs to its
@@ -246,7 +247,7 @@ class SimBackend:
         self.can_truncate = True
         self.settings = {"sim": name}
         self._held: list[list[int]] = [[] for _ in range(n_seq)]
-        self._canon = [0] * n_seq  # as LlamaBackend's
+        self._canon = [0] * n_seq  # backend.CanonMarks
         self.busy = 0.0
         self.passes = 0
         self.fed: list[int] = []  # tokens fed, per pass
@@ -326,14 +327,8 @@ class SimBackend:
 
     def truncate(self, pos, seq=0):
         del self._held[seq][pos:]
-        self._canon[seq] = min(self._canon[seq], pos)
+        self._cut_canon(seq, pos)
         return True
-
-    def canon(self, seq=0):
-        return min(self._canon[seq], len(self._held[seq]))
-
-    def mark_canon(self, n, seq=0):
-        self._canon[seq] = min(n, len(self._held[seq]))
 
     def pos_max(self, seq=0):
         return len(self._held[seq]) - 1
@@ -341,7 +336,7 @@ class SimBackend:
     def reset(self, seq=None):
         for s in (range(self.n_seq) if seq is None else [seq]):
             self._held[s].clear()
-            self._canon[s] = 0
+            self._cut_canon(s)
 
     def keep_prefix(self, tokens, seq=0):
         held = self._held[seq]
@@ -356,7 +351,7 @@ class SimBackend:
     def copy_prefix(self, src, dst, n):
         n = min(n, len(self._held[src]))
         self._held[dst][:] = self._held[src][:n]
-        self._canon[dst] = min(self._canon[src], n)
+        self._copy_canon(src, dst)
         return n
 
     def close(self):
